@@ -1,0 +1,47 @@
+"""Data-parallel stochastic variational inference for Pyro.
+
+Every worker runs the same model and guide on its own data; the optimizer
+averages gradients across workers at every step, so all workers keep
+identical parameters. The same script runs as one plain process, under
+``torchrun`` (torch.distributed: gloo on CPU, NCCL on GPU) or under
+``horovodrun``.
+
+Example::
+
+    import pyro
+    import pyro_distributed as pd
+
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}))
+    svi = pyro.infer.SVI(model, guide, optim, pyro.infer.Trace_ELBO())
+    loss = pd.all_mean(svi.step(my_shard))
+"""
+
+from .errors import PyroDistributedError
+from .optim import DistributedOptimizer
+from .runtime import (
+    all_mean,
+    barrier,
+    current_engine,
+    init,
+    is_main,
+    local_rank,
+    rank,
+    shutdown,
+    world_size,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DistributedOptimizer",
+    "PyroDistributedError",
+    "all_mean",
+    "barrier",
+    "current_engine",
+    "init",
+    "is_main",
+    "local_rank",
+    "rank",
+    "shutdown",
+    "world_size",
+]

@@ -1,0 +1,164 @@
+"""Which parameters a step touches, agreed by every worker.
+
+SVI hands the optimizer a ``set`` of unconstrained tensors, whose iteration
+order differs between processes, and each worker builds its own list. Before
+any gradient travels, the workers must agree on one sorted list, or their
+fused buffers would not line up and a collective would hang or mix values.
+
+The common case costs one tiny collective per step: every worker hashes the
+sorted names it was given, plus name, shape and dtype of the parameters it
+has never synchronised before, and a max-reduction of ``(h, -h)`` tells every
+worker at once whether all hashes are equal. Only when they differ do the
+workers exchange their full lists (one object all-gather), and then all of
+them reach the same verdict from the same data:
+
+* a parameter passed by some workers and present in every worker's param
+  store joins the step everywhere (workers that did not use it contribute a
+  zero gradient);
+* a parameter missing from some worker's store, one whose shape or dtype
+  differs, or one that was re-created on only some workers, makes every worker
+  raise :class:`~pyro_distributed.PyroDistributedError` naming it and the
+  workers involved.
+
+New parameters (first seen, or re-created with the same name) then take
+worker 0's values, so lazily initialised guides start identical everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyro
+import torch
+from torch import Tensor
+
+from .engines import Engine
+from .errors import PyroDistributedError
+from .reduce import broadcast_values_
+
+__all__ = ["ParameterAgreement", "StepParams"]
+
+Spec = tuple[tuple[int, ...], str]  # shape, dtype
+
+
+@dataclass(frozen=True)
+class StepParams:
+    """The agreed parameters of one step, sorted by param-store name."""
+
+    names: tuple[str, ...]
+    tensors: tuple[Tensor, ...]
+    #: Names this worker was not given but steps because another worker was.
+    borrowed: frozenset[str]
+
+
+def _spec(tensor: Tensor) -> Spec:
+    return tuple(tensor.shape), str(tensor.dtype)
+
+
+def _digest(names: Sequence[str], new_specs: Sequence[tuple[str, Spec]]) -> int:
+    hasher = hashlib.blake2b(digest_size=8)
+    hasher.update(repr((tuple(names), tuple(new_specs))).encode())
+    # 62 bits, so that both h and -h fit in an int64.
+    return int.from_bytes(hasher.digest(), "little") >> 2
+
+
+def _workers(ranks: Iterable[int]) -> str:
+    ranks = sorted(ranks)
+    return ("worker " if len(ranks) == 1 else "workers ") + ", ".join(map(str, ranks))
+
+
+class ParameterAgreement:
+    """Tracks which parameters have been synchronised, and agrees on each step's list."""
+
+    def __init__(self, engine: Engine, cap_bytes: int) -> None:
+        self._engine = engine
+        self._cap_bytes = cap_bytes
+        # name -> the unconstrained tensor that was synchronised under that name
+        self._synced: dict[str, Tensor] = {}
+
+    def agree(self, params: Iterable[Tensor]) -> StepParams:
+        store = pyro.get_param_store()
+        given: dict[str, Tensor] = {}
+        for param in params:
+            name = store.param_name(param)
+            if name is None:
+                raise ValueError(
+                    f"a tensor of shape {tuple(param.shape)} passed to the optimizer is not in "
+                    f"Pyro's param store; distributed optimizers name parameters by their "
+                    f"param-store names (create them with pyro.param or a PyroModule)"
+                )
+            given[name] = param
+        names = sorted(given)
+        new = [name for name in names if self._synced.get(name) is not given[name]]
+        digest = _digest(names, [(name, _spec(given[name])) for name in new])
+        borrowed: frozenset[str] = frozenset()
+        if not self._all_workers_match(digest):
+            mine = frozenset(given)
+            names, given, new = self._reconcile(given)
+            borrowed = frozenset(given) - mine
+        if new:
+            broadcast_values_(self._engine, [given[name] for name in new], self._cap_bytes)
+            self._synced.update((name, given[name]) for name in new)
+        return StepParams(tuple(names), tuple(given[name] for name in names), borrowed)
+
+    def _all_workers_match(self, digest: int) -> bool:
+        header = torch.tensor([digest, -digest], dtype=torch.int64)
+        self._engine.allreduce_([header], op="max")
+        highest, lowest = header[0].item(), -header[1].item()
+        return highest == lowest
+
+    def _reconcile(
+        self, given: dict[str, Tensor]
+    ) -> tuple[list[str], dict[str, Tensor], list[str]]:
+        """The slow path: gather every worker's view and decide identically everywhere."""
+        store = pyro.get_param_store()
+        in_store = dict(store.named_parameters())
+        mine = {
+            "given": sorted(given),
+            "store": {name: _spec(tensor) for name, tensor in in_store.items()},
+            "synced": sorted(n for n, t in self._synced.items() if in_store.get(n) is t),
+        }
+        views = self._engine.allgather_object(mine)
+        union = sorted(set().union(*(view["given"] for view in views)))
+        _raise_on_disagreement(union, views)
+        my_given = {name: in_store[name] for name in union}
+        new = [name for name in union if name not in mine["synced"]]
+        return union, my_given, new
+
+
+def _raise_on_disagreement(union: list[str], views: list[dict[str, Any]]) -> None:
+    ranks = range(len(views))
+    problems = []
+    for name in union:
+        givers = [r for r in ranks if name in views[r]["given"]]
+        lacking = [r for r in ranks if name not in views[r]["store"]]
+        if lacking:
+            problems.append(
+                f"parameter {name!r} is used on {_workers(givers)} but does not exist in the "
+                f"param store of {_workers(lacking)}"
+            )
+            continue
+        specs = {r: views[r]["store"][name] for r in ranks}
+        if len(set(specs.values())) > 1:
+            shown = "; ".join(
+                f"worker {r}: shape {list(shape)}, {dtype}" for r, (shape, dtype) in specs.items()
+            )
+            problems.append(f"parameter {name!r} differs in shape or dtype ({shown})")
+            continue
+        fresh = [r for r in ranks if name not in views[r]["synced"]]
+        if fresh and len(fresh) < len(views):
+            problems.append(
+                f"parameter {name!r} was re-created on {_workers(fresh)} only (for example by "
+                f"pyro.clear_param_store()); it is still the synchronised one on "
+                f"{_workers(set(ranks) - set(fresh))}"
+            )
+    if problems:
+        raise PyroDistributedError(
+            "workers disagree on the parameters of this step: "
+            + "; ".join(problems[:5])
+            + (f"; and {len(problems) - 5} more problems" if len(problems) > 5 else "")
+            + ". Every worker must create the same parameters, with the same shapes and dtypes."
+        )

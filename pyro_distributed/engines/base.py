@@ -1,0 +1,94 @@
+"""What an engine must provide.
+
+An engine is the only place that talks to a transport (torch.distributed,
+Horovod, or nothing at all). It offers a handful of collectives on tensors and
+picklable objects and knows its own rank and world size. Everything that knows
+about Pyro (param-store names, optimizers, plates) lives above it, in
+:mod:`pyro_distributed.optim` and friends, so that adding an engine means adding
+one module beside this one and one line in :mod:`pyro_distributed.engines`.
+
+Collectives are blocking: when one returns, its result is in place on this
+worker. They must be called in the same order on every worker. An engine turns
+its transport's failures (a peer died, a time-out) into
+:class:`~pyro_distributed.PyroDistributedError`, naming the collective.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, ClassVar, Literal
+
+from torch import Tensor
+
+__all__ = ["DEFAULT_TIMEOUT", "Engine", "ReduceOp"]
+
+#: How long any collective may block before the workers give up. Long enough
+#: for a slow first step, short enough that a lost worker costs a minute and
+#: not torch.distributed's default half hour.
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+
+ReduceOp = Literal["sum", "mean", "max"]
+
+
+class Engine(abc.ABC):
+    """A transport with a rank, a world size and a few collectives."""
+
+    #: The name users pass as ``engine=...``.
+    name: ClassVar[str]
+
+    def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        self._timeout = timeout
+
+    @staticmethod
+    def detected() -> bool:
+        """Whether this process was launched for this engine (read from the environment)."""
+        return False
+
+    @property
+    def timeout(self) -> timedelta:
+        """How long a collective may block before it fails."""
+        return self._timeout
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This worker's global rank, from 0 to ``world_size - 1``."""
+
+    @property
+    @abc.abstractmethod
+    def local_rank(self) -> int:
+        """This worker's rank among the workers on its machine."""
+
+    @property
+    @abc.abstractmethod
+    def world_size(self) -> int:
+        """How many workers take part."""
+
+    @abc.abstractmethod
+    def allreduce_(self, tensors: Sequence[Tensor], op: ReduceOp = "sum") -> None:
+        """Reduce each tensor across workers, in place.
+
+        All tensors are sent together (fused or issued asynchronously), so a
+        call costs one round trip, not one per tensor.
+        """
+
+    @abc.abstractmethod
+    def broadcast_(self, tensors: Sequence[Tensor], src: int = 0) -> None:
+        """Overwrite each tensor, in place, with worker ``src``'s values."""
+
+    @abc.abstractmethod
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Return every worker's ``obj`` (picklable), indexed by rank."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Block until every worker has reached this call."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release what the engine set up (not what the user set up)."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size}>"

@@ -1,0 +1,195 @@
+"""DistributedOptimizer: any PyroOptim, with gradients averaged across workers.
+
+It wraps the user's optimizer instead of rebuilding it: clipping, schedulers,
+per-parameter arguments and state all stay the wrapped optimizer's own code.
+A call does three things, in the same order on every worker:
+
+1. agree on the sorted list of parameters, synchronising new ones
+   (:mod:`pyro_distributed.agreement`);
+2. average their gradients in a few fused buffers (:mod:`pyro_distributed.reduce`);
+3. let the wrapped optimizer step, so that clipping sees the averaged gradient.
+
+With one worker it does none of the first two and costs nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from pyro.optim import PyroOptim
+from torch import Tensor
+
+from . import runtime
+from .agreement import ParameterAgreement
+from .engines import Engine
+from .reduce import GradientAverager
+
+__all__ = ["DistributedOptimizer"]
+
+
+class DistributedOptimizer(PyroOptim):
+    """Wrap a :class:`~pyro.optim.PyroOptim` for data-parallel SVI.
+
+    Each worker runs the same model and guide on its own data; every call
+    averages the gradients across workers before the wrapped optimizer steps,
+    so all workers keep bitwise identical parameters. ``SVI`` accepts it like
+    any Pyro optimizer, and the same script runs as one plain process.
+
+    :param pyro_optim: the optimizer to distribute, for example
+        ``pyro.optim.Adam({"lr": 0.01})``, a ``PyroLRScheduler``, or
+        ``ClippedAdam``. It is used, not copied: keep using it if you like.
+    :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"``,
+        ``"local"``, or a running :class:`~pyro_distributed.engines.Engine`.
+        A name starts the engine with :func:`pyro_distributed.init` if needed.
+    :param bucket_cap_mb: largest fused gradient buffer, in MiB.
+
+    Example::
+
+        import pyro, pyro_distributed as pd
+        from pyro.infer import SVI, Trace_ELBO
+
+        optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}))
+        svi = SVI(model, guide, optim, Trace_ELBO())
+        for step in range(1000):
+            loss = svi.step(my_shard_of_the_data)
+
+    Run it with ``torchrun --nproc-per-node 2 train.py`` (or plain
+    ``python train.py`` for one worker).
+
+    .. warning::
+        Every worker must call the optimizer (``svi.step``) the same number of
+        times: each call is a collective. A worker that stops early leaves the
+        others waiting until the engine's time-out, after which they raise
+        :class:`~pyro_distributed.PyroDistributedError`.
+
+    .. warning::
+        Every worker must create the same parameters, with the same names,
+        shapes and dtypes. A parameter used by only some workers in a step is
+        still stepped on all of them (the others contribute a zero gradient),
+        but it must exist in every worker's param store; otherwise every worker
+        raises :class:`~pyro_distributed.PyroDistributedError` naming it.
+
+    .. warning::
+        The first time a parameter reaches the optimizer, every worker takes
+        worker 0's value for it. The gradient of that first step was computed
+        by each worker at its own initial value; seed workers identically
+        before parameters are created if that first step must be exact.
+
+    .. warning::
+        Give each worker different data. Inside ``pyro.plate(...,
+        subsample_size=b)`` every worker draws the same subsample unless the
+        subsampling is sharded; otherwise the workers duplicate each other.
+    """
+
+    def __init__(
+        self,
+        pyro_optim: PyroOptim,
+        *,
+        engine: str | Engine = "auto",
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        # No super().__init__() on purpose: all optimizer state lives in the
+        # wrapped optimizer, and attribute reads fall through to it (__getattr__).
+        if not isinstance(pyro_optim, PyroOptim):
+            raise TypeError(
+                f"pyro_optim must be a pyro.optim.PyroOptim, such as "
+                f"pyro.optim.Adam({{'lr': 0.01}}); got {type(pyro_optim).__name__}"
+            )
+        if isinstance(pyro_optim, DistributedOptimizer):
+            raise TypeError(
+                "pyro_optim is already a DistributedOptimizer; wrap the plain optimizer once"
+            )
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+            raise TypeError(f"bucket_cap_mb must be a number, got {bucket_cap_mb!r}")
+        if not (math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be positive and finite, got {bucket_cap_mb!r}")
+        if not isinstance(engine, (str, Engine)):
+            raise TypeError(f"engine must be a name or an Engine, got {type(engine).__name__}")
+        self.wrapped = pyro_optim
+        self.engine = runtime.init(engine) if isinstance(engine, str) else engine
+        cap_bytes = max(1, int(bucket_cap_mb * 2**20))
+        self._agreement = ParameterAgreement(self.engine, cap_bytes)
+        self._averager = GradientAverager(self.engine, cap_bytes)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes this object lacks: read the wrapped
+        # optimizer's (optim_objs, pt_optim_args, ...), so nothing it offers is lost.
+        wrapped = self.__dict__.get("wrapped")
+        if wrapped is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(wrapped, name)
+
+    def __call__(self, params: Iterable[Tensor], *args: Any, **kwargs: Any) -> None:
+        """Average gradients across workers, then step the wrapped optimizer.
+
+        :param params: the unconstrained parameters to step, as SVI passes them
+            (a set), or a list or ``dict.values()``.
+        """
+        if self.engine.world_size == 1:
+            self.wrapped(params, *args, **kwargs)  # type: ignore[arg-type]
+            return
+        step = self._agreement.agree(params)
+        self._averager.average_(step.tensors)
+        self.wrapped(list(step.tensors), *args, **kwargs)
+        for name, param in zip(step.names, step.tensors, strict=True):
+            if name in step.borrowed:
+                # This worker's SVI will not zero it; a stale average must not
+                # count as this worker's gradient next step.
+                param.grad = None
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Step the wrapped optimizer's learning-rate schedulers.
+
+        Takes what the wrapped :class:`~pyro.optim.lr_scheduler.PyroLRScheduler`
+        takes. For ``ReduceLROnPlateau`` the metric (the first argument, or
+        ``metrics=``) is averaged across workers first, so every worker
+        changes its learning rate at the same step.
+
+        .. warning::
+            With ``ReduceLROnPlateau`` this is a collective: call it on every
+            worker, at the same point.
+        """
+        wrapped_step = getattr(self.wrapped, "step", None)
+        if wrapped_step is None:
+            raise TypeError(
+                f"the wrapped {type(self.wrapped).__name__} has no step(); only learning-rate "
+                f"schedulers (pyro.optim.PyroLRScheduler) can be stepped"
+            )
+        constructor = getattr(self.wrapped, "pt_scheduler_constructor", None)
+        if isinstance(constructor, type) and issubclass(
+            constructor, torch.optim.lr_scheduler.ReduceLROnPlateau
+        ):
+            args, kwargs = self._averaged_metric(args, kwargs)
+        wrapped_step(*args, **kwargs)
+
+    def _averaged_metric(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.engine.world_size == 1:
+            return args, kwargs
+        if args:
+            return (_engine_mean(self.engine, args[0]), *args[1:]), kwargs
+        if "metrics" in kwargs:
+            return args, {**kwargs, "metrics": _engine_mean(self.engine, kwargs["metrics"])}
+        return args, kwargs
+
+    def get_state(self) -> dict[str, Any]:
+        """The wrapped optimizer's state, keyed by param-store name."""
+        return self.wrapped.get_state()
+
+    def set_state(self, state_dict: dict[str, Any]) -> None:
+        """Hand state to the wrapped optimizer; applied as each parameter appears."""
+        self.wrapped.set_state(state_dict)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.wrapped!r}, engine={self.engine!r})"
+
+
+def _engine_mean(engine: Engine, metric: Any) -> float:
+    value = float(metric.detach().item() if isinstance(metric, Tensor) else metric)
+    buffer = torch.tensor([value], dtype=torch.float64)
+    engine.allreduce_([buffer], op="mean")
+    return float(buffer.item())

@@ -1,0 +1,161 @@
+"""The process-wide engine and the module-level API around it.
+
+One engine serves the whole process, as one process group does in
+torch.distributed. :func:`init` starts it explicitly; every other function
+here starts ``engine="auto"`` on first use, so all of them also work in a
+plain single process (rank 0 of 1) without any set-up.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+from .engines import DEFAULT_TIMEOUT, ENGINE_NAMES, Engine, create_engine, detect_engine
+from .errors import PyroDistributedError
+
+__all__ = [
+    "all_mean",
+    "barrier",
+    "current_engine",
+    "init",
+    "is_main",
+    "local_rank",
+    "rank",
+    "shutdown",
+    "world_size",
+]
+
+_engine: Engine | None = None
+
+
+def _as_timedelta(timeout: float | timedelta) -> timedelta:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
+        raise TypeError(f"timeout must be seconds (a number) or a timedelta, got {timeout!r}")
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"timeout must be a positive, finite duration, got {timeout!r}")
+    return timedelta(seconds=seconds)
+
+
+def init(engine: str = "auto", *, timeout: float | timedelta | None = None) -> Engine:
+    """Start the distributed engine for this process, or return the running one.
+
+    :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"`` or
+        ``"local"``. ``"auto"`` returns the running engine if there is one;
+        otherwise it picks ``horovod`` under ``horovodrun``, ``torch`` under
+        ``torchrun`` or when a torch.distributed process group exists, and
+        ``local`` (one process, no communication) otherwise.
+    :param timeout: how long, in seconds or as a :class:`~datetime.timedelta`,
+        any collective may block before every worker raises
+        :class:`PyroDistributedError`. Defaults to 60 seconds.
+    :returns: the engine.
+    :raises PyroDistributedError: if a different engine, or a different
+        time-out, is already running in this process.
+
+    Example::
+
+        import pyro_distributed as pd
+
+        pd.init()  # under torchrun: joins the process group
+        print(pd.rank(), pd.world_size())
+
+    .. warning::
+        Call :func:`init` at the same point on every worker: with the torch
+        and horovod engines it is itself a collective.
+    """
+    global _engine
+    wanted_timeout = None if timeout is None else _as_timedelta(timeout)
+    if engine != "auto" and engine not in ENGINE_NAMES:
+        raise ValueError(
+            f"unknown engine {engine!r}; choose 'auto' or one of {', '.join(ENGINE_NAMES)}"
+        )
+    if _engine is not None:
+        if engine not in ("auto", _engine.name):
+            raise PyroDistributedError(
+                f"pyro_distributed is already running the {_engine.name!r} engine; "
+                f"init(engine={engine!r}) cannot switch engines. Call shutdown() first."
+            )
+        if wanted_timeout is not None and wanted_timeout != _engine.timeout:
+            raise PyroDistributedError(
+                f"pyro_distributed is already running with a time-out of "
+                f"{_engine.timeout.total_seconds():g} s; init(timeout="
+                f"{wanted_timeout.total_seconds():g}) cannot change it. Call shutdown() first."
+            )
+        return _engine
+    name = detect_engine() if engine == "auto" else engine
+    _engine = create_engine(name, wanted_timeout or DEFAULT_TIMEOUT)
+    return _engine
+
+
+def current_engine() -> Engine:
+    """The running engine, started with ``init("auto")`` if none is running."""
+    return _engine if _engine is not None else init()
+
+
+def shutdown() -> None:
+    """Stop the running engine, if any. A later call to any function restarts one."""
+    global _engine
+    if _engine is not None:
+        engine, _engine = _engine, None
+        engine.shutdown()
+
+
+def rank() -> int:
+    """This worker's global rank (0 in a plain process)."""
+    return current_engine().rank
+
+
+def local_rank() -> int:
+    """This worker's rank on its own machine (0 in a plain process)."""
+    return current_engine().local_rank
+
+
+def world_size() -> int:
+    """The number of workers (1 in a plain process)."""
+    return current_engine().world_size
+
+
+def is_main() -> bool:
+    """Whether this is worker 0, the one that should print and write files."""
+    return current_engine().rank == 0
+
+
+def barrier() -> None:
+    """Wait until every worker reaches this call (bounded by the time-out)."""
+    current_engine().barrier()
+
+
+Number = TypeVar("Number", float, Tensor)
+
+
+def all_mean(value: Number) -> Number:
+    """The mean of ``value`` across workers, of the same type as ``value``.
+
+    A float (or int) gives a float; a tensor gives a new tensor of the same
+    shape, dtype and device, detached from the graph. Every worker must call it
+    with a value of the same shape.
+
+    Example::
+
+        loss = svi.step(batch)
+        global_loss = pyro_distributed.all_mean(loss)  # the same on every worker
+        if pyro_distributed.is_main():
+            print(global_loss)
+    """
+    engine = current_engine()
+    if isinstance(value, Tensor):
+        if not value.is_floating_point():
+            raise TypeError(f"all_mean needs a floating-point tensor, got dtype {value.dtype}")
+        result = value.detach().clone()
+        engine.allreduce_([result], op="mean")
+        return result
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"all_mean takes a float or a tensor, got {type(value).__name__}")
+    buffer = torch.tensor([float(value)], dtype=torch.float64)
+    engine.allreduce_([buffer], op="mean")
+    return float(buffer.item())

@@ -1,0 +1,139 @@
+"""Run a function on W real worker processes joined by gloo on 127.0.0.1.
+
+Workers are forked from a forkserver that has already imported torch and
+Pyro, so a start costs a fraction of a second rather than a fresh import.
+Each worker gets torchrun's environment variables on a free port, one thread,
+and a started ``pyro_distributed`` engine, then runs ``fn(*args)``. The
+parent collects every worker's return value or traceback, and fails with all
+of them when any worker fails, dies or overruns the time limit.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "pyro", "pyro_distributed"])
+
+#: The engine time-out inside test workers: long enough for a slow shared
+#: machine, short enough that a hang fails a test within seconds.
+ENGINE_TIMEOUT = 30.0
+
+
+class WorkerFailure(AssertionError):
+    """Some worker raised, died or did not finish; the message shows every worker."""
+
+    def __init__(self, reports: dict[int, str]) -> None:
+        self.reports = reports
+        body = "\n".join(f"--- worker {rank} ---\n{text}" for rank, text in sorted(reports.items()))
+        super().__init__(f"{len(reports)} worker(s) failed\n{body}")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    engine: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    conn: Connection,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import pyro
+    import torch
+
+    import pyro_distributed
+
+    torch.set_num_threads(1)
+    pyro.clear_param_store()
+    try:
+        if engine:
+            pyro_distributed.init(engine, timeout=ENGINE_TIMEOUT)
+        result = ("ok", fn(*args))
+    except BaseException:  # report everything, including KeyboardInterrupt
+        result = ("error", traceback.format_exc())
+    try:
+        # Plain pickle copies tensor data; multiprocessing's own pickler would
+        # share it through this process, which is about to exit.
+        conn.send_bytes(pickle.dumps(result))
+    finally:
+        pyro_distributed.shutdown()
+        conn.close()
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    engine: str = "torch",
+    timeout: float = 120.0,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` workers; return their results by rank.
+
+    ``fn`` must be importable (a module-level function). ``engine=""`` starts
+    no engine, for tests of start-up itself.
+    """
+    port = free_port()
+    pipes: dict[int, Connection] = {}
+    processes = []
+    for rank in range(world_size):
+        parent_end, child_end = _CONTEXT.Pipe(duplex=False)
+        process = _CONTEXT.Process(
+            target=_worker,
+            args=(rank, world_size, port, engine, fn, args, child_end),
+            name=f"worker-{rank}",
+        )
+        process.start()
+        child_end.close()
+        pipes[rank] = parent_end
+        processes.append(process)
+
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    waiting = dict(pipes)
+    while waiting and time.monotonic() < deadline:
+        for conn in wait(list(waiting.values()), timeout=deadline - time.monotonic()):
+            rank = next(r for r, c in waiting.items() if c is conn)
+            del waiting[rank]
+            try:
+                status, payload = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                processes[rank].join(5)
+                failures[rank] = f"died without reporting (exit code {processes[rank].exitcode})"
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                failures[rank] = payload
+    for rank in waiting:
+        failures[rank] = f"did not finish within {timeout:g} s"
+    for process in processes:
+        process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    if failures:
+        raise WorkerFailure(failures)
+    return [results[rank] for rank in range(world_size)]
