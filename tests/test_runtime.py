@@ -1,0 +1,132 @@
+"""The module-level API, in one plain process and on real workers."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+
+import pyro_distributed as pd
+from pyro_distributed.engines import detect_engine
+
+from .harness import run_workers
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_left_running():
+    yield
+    pd.shutdown()
+
+
+def test_plain_process_is_rank_zero_of_one() -> None:
+    assert (pd.rank(), pd.local_rank(), pd.world_size(), pd.is_main()) == (0, 0, 1, True)
+    assert pd.current_engine().name == "local"
+    pd.barrier()
+
+
+def test_all_mean_in_one_process_returns_the_same_type() -> None:
+    assert pd.all_mean(2.5) == 2.5 and isinstance(pd.all_mean(2.5), float)
+    assert isinstance(pd.all_mean(3), float)
+    value = torch.tensor([1.0, 2.0], requires_grad=True)
+    mean = pd.all_mean(value)
+    assert torch.equal(mean, value.detach()) and not mean.requires_grad
+    assert mean is not value
+
+
+@pytest.mark.parametrize("bad", ["1.0", None, True])
+def test_all_mean_rejects_non_numbers(bad: object) -> None:
+    with pytest.raises(TypeError, match="all_mean takes a float or a tensor"):
+        pd.all_mean(bad)  # type: ignore[type-var]
+
+
+def test_all_mean_rejects_integer_tensors() -> None:
+    with pytest.raises(TypeError, match="floating-point"):
+        pd.all_mean(torch.tensor([1, 2]))
+
+
+def test_init_twice_with_the_same_engine_returns_it() -> None:
+    engine = pd.init("local")
+    assert pd.init("local") is engine
+    assert pd.init("auto") is engine
+    assert pd.init() is engine
+
+
+def test_init_with_a_different_engine_is_refused() -> None:
+    pd.init("local")
+    with pytest.raises(pd.PyroDistributedError, match="already running the 'local' engine"):
+        pd.init("torch")
+
+
+def test_init_with_a_different_timeout_is_refused() -> None:
+    pd.init("local", timeout=10)
+    assert pd.current_engine().timeout == timedelta(seconds=10)
+    with pytest.raises(pd.PyroDistributedError, match="time-out of 10 s"):
+        pd.init("local", timeout=timedelta(seconds=20))
+
+
+def test_unknown_engine_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="unknown engine 'mpi'"):
+        pd.init("mpi")
+
+
+@pytest.mark.parametrize("timeout", [0, -5, float("inf"), float("nan")])
+def test_bad_timeouts_are_value_errors(timeout: float) -> None:
+    with pytest.raises(ValueError, match="timeout must be a positive, finite duration"):
+        pd.init("local", timeout=timeout)
+
+
+def test_timeout_of_the_wrong_type_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="timeout must be seconds"):
+        pd.init("local", timeout="60")  # type: ignore[arg-type]
+
+
+def test_torch_engine_without_torchrun_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert detect_engine() == "local"
+    with pytest.raises(pd.PyroDistributedError, match="torchrun --nproc-per-node"):
+        pd.init("torch")
+
+
+def _world_view() -> dict[str, object]:
+    engine = pd.init("auto")
+    pd.barrier()
+    return {
+        "engine": engine.name,
+        "rank": pd.rank(),
+        "local_rank": pd.local_rank(),
+        "world_size": pd.world_size(),
+        "is_main": pd.is_main(),
+        "mean_float": pd.all_mean(float(pd.rank()) * 4.0),
+        "mean_tensor": pd.all_mean(torch.full((2,), float(pd.rank()), dtype=torch.float64)),
+    }
+
+
+def test_two_workers_see_their_ranks_and_the_means() -> None:
+    views = run_workers(_world_view, engine="")  # "auto" must find torchrun's variables
+    for rank, view in enumerate(views):
+        assert view["engine"] == "torch"
+        assert (view["rank"], view["local_rank"], view["world_size"]) == (rank, rank, 2)
+        assert view["is_main"] == (rank == 0)
+        assert view["mean_float"] == 2.0 and isinstance(view["mean_float"], float)
+        mean_tensor = view["mean_tensor"]
+        assert isinstance(mean_tensor, torch.Tensor) and mean_tensor.dtype == torch.float64
+        assert torch.equal(mean_tensor, torch.full((2,), 0.5, dtype=torch.float64))
+
+
+def _reuse_user_group() -> tuple[str, int, bool]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    engine = pd.init("auto")
+    mean = pd.all_mean(float(pd.rank()))
+    pd.shutdown()
+    still_there = dist.is_initialized()  # the user's group is the user's to destroy
+    dist.destroy_process_group()
+    return engine.name, int(mean * 2), still_there
+
+
+def test_torch_engine_reuses_a_group_the_user_initialised() -> None:
+    for name, doubled_mean, still_there in run_workers(_reuse_user_group, engine=""):
+        assert (name, doubled_mean, still_there) == ("torch", 1, True)
