@@ -17,6 +17,7 @@ Example::
 """
 
 from .errors import PyroDistributedError
+from .horovod_optim import HorovodOptimizer
 from .optim import DistributedOptimizer
 from .runtime import (
     all_mean,
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DistributedOptimizer",
+    "HorovodOptimizer",
     "PyroDistributedError",
     "all_mean",
     "barrier",

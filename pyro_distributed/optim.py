@@ -25,7 +25,7 @@ from torch import Tensor
 from . import runtime
 from .agreement import ParameterAgreement
 from .engines import Engine
-from .reduce import GradientAverager
+from .reduce import GradientAverager, Reduction
 
 __all__ = ["DistributedOptimizer"]
 
@@ -93,6 +93,19 @@ class DistributedOptimizer(PyroOptim):
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+            raise TypeError(f"bucket_cap_mb must be a number, got {bucket_cap_mb!r}")
+        if not (math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be positive and finite, got {bucket_cap_mb!r}")
+        if not isinstance(engine, (str, Engine)):
+            raise TypeError(f"engine must be a name or an Engine, got {type(engine).__name__}")
+        running = runtime.init(engine) if isinstance(engine, str) else engine
+        self._configure(pyro_optim, running, bucket_cap_mb, Reduction())
+
+    def _configure(
+        self, pyro_optim: PyroOptim, engine: Engine, bucket_cap_mb: float, reduction: Reduction
+    ) -> None:
+        """Set up the wrapper; shared by every constructor of this family."""
         if not isinstance(pyro_optim, PyroOptim):
             raise TypeError(
                 f"pyro_optim must be a pyro.optim.PyroOptim, such as "
@@ -100,19 +113,14 @@ class DistributedOptimizer(PyroOptim):
             )
         if isinstance(pyro_optim, DistributedOptimizer):
             raise TypeError(
-                "pyro_optim is already a DistributedOptimizer; wrap the plain optimizer once"
+                f"pyro_optim is already a {type(pyro_optim).__name__}; "
+                f"wrap the plain optimizer once"
             )
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
-            raise TypeError(f"bucket_cap_mb must be a number, got {bucket_cap_mb!r}")
-        if not (math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
-            raise ValueError(f"bucket_cap_mb must be positive and finite, got {bucket_cap_mb!r}")
-        if not isinstance(engine, (str, Engine)):
-            raise TypeError(f"engine must be a name or an Engine, got {type(engine).__name__}")
         self.wrapped = pyro_optim
-        self.engine = runtime.init(engine) if isinstance(engine, str) else engine
+        self.engine = engine
         cap_bytes = max(1, int(bucket_cap_mb * 2**20))
-        self._agreement = ParameterAgreement(self.engine, cap_bytes)
-        self._averager = GradientAverager(self.engine, cap_bytes)
+        self._agreement = ParameterAgreement(engine, cap_bytes)
+        self._averager = GradientAverager(engine, cap_bytes, reduction)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes this object lacks: read the wrapped
@@ -132,7 +140,7 @@ class DistributedOptimizer(PyroOptim):
             self.wrapped(params, *args, **kwargs)  # type: ignore[arg-type]
             return
         step = self._agreement.agree(params)
-        self._averager.average_(step.tensors)
+        self._averager.average_(step.names, step.tensors)
         self.wrapped(list(step.tensors), *args, **kwargs)
         for name, param in zip(step.names, step.tensors, strict=True):
             if name in step.borrowed:

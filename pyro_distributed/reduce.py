@@ -15,14 +15,54 @@ zeros, so the buffer is released after the step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
 
 from .engines import Engine
 
-__all__ = ["Bucket", "GradientAverager", "broadcast_values_", "plan_buckets"]
+__all__ = [
+    "Bucket",
+    "Compressor",
+    "GradientAverager",
+    "Reduction",
+    "broadcast_values_",
+    "plan_buckets",
+]
+
+
+class Compressor(Protocol):
+    """Turns a buffer into what goes on the wire and back.
+
+    Horovod's ``hvd.Compression.none`` and ``hvd.Compression.fp16`` have this shape.
+    """
+
+    def compress(self, tensor: Tensor) -> tuple[Tensor, Any]: ...
+
+    def decompress(self, tensor: Tensor, ctx: Any) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How gradients are combined across workers, and how they are grouped on the way.
+
+    :param op: ``"mean"`` (the average) or ``"sum"``.
+    :param predivide: with ``"mean"``, divide by this before summing and by
+        ``world_size / predivide`` after (Horovod's ``gradient_predivide_factor``).
+    :param compression: applied to each fused buffer before it travels. When
+        it narrows the dtype, the whole division by the world size happens
+        before summation, so that the sum cannot overflow the narrow type.
+    :param groups: ``None``; a number of contiguous groups to split the sorted
+        parameters into; or lists of parameters to fuse together (every other
+        parameter is a group of its own). Buffers never cross groups.
+    """
+
+    op: Literal["mean", "sum"] = "mean"
+    predivide: float = 1.0
+    compression: Compressor | None = None
+    groups: int | Sequence[Sequence[Tensor]] | None = field(default=None)
 
 
 @dataclass(frozen=True)
@@ -35,17 +75,20 @@ class Bucket:
     numels: list[int]
 
 
-def plan_buckets(tensors: Sequence[Tensor], cap_bytes: int) -> list[Bucket]:
-    """Group tensors by (device, dtype) and split each group at ``cap_bytes``.
+def plan_buckets(
+    tensors: Sequence[Tensor], cap_bytes: int, group_of: Sequence[int] | None = None
+) -> list[Bucket]:
+    """Group tensors by (group, device, dtype) and split each group at ``cap_bytes``.
 
     A tensor larger than the cap gets a bucket of its own; order within a
     bucket follows the input order, and groups come in order of first appearance.
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    groups: dict[tuple[int, torch.device, torch.dtype], list[int]] = {}
     for index, tensor in enumerate(tensors):
-        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+        group = 0 if group_of is None else group_of[index]
+        groups.setdefault((group, tensor.device, tensor.dtype), []).append(index)
     buckets = []
-    for (device, dtype), indices in groups.items():
+    for (_, device, dtype), indices in groups.items():
         itemsize = torch.empty((), dtype=dtype).element_size()
         current: list[int] = []
         current_bytes = 0
@@ -66,6 +109,16 @@ def _bucket(
     return Bucket(device, dtype, tuple(members), [tensors[i].numel() for i in members])
 
 
+def _group_of(
+    params: Sequence[Tensor], groups: int | Sequence[Sequence[Tensor]] | None
+) -> list[int]:
+    if groups is None or isinstance(groups, int):
+        count = groups or 1
+        return [index * count // len(params) for index in range(len(params))]
+    listed = {id(param): number for number, group in enumerate(groups) for param in group}
+    return [listed.get(id(param), len(groups) + index) for index, param in enumerate(params)]
+
+
 def _flatten(bucket: Bucket, tensors: Sequence[Tensor]) -> Tensor:
     return torch.cat([tensors[i].reshape(-1) for i in bucket.members])
 
@@ -82,7 +135,7 @@ def broadcast_values_(engine: Engine, tensors: Sequence[Tensor], cap_bytes: int)
 
 
 class GradientAverager:
-    """Averages the ``.grad`` of a list of parameters across workers.
+    """Combines the ``.grad`` of a list of parameters across workers, in place.
 
     A parameter whose ``.grad`` is ``None`` on this worker contributes zeros.
     One that has no gradient on any worker keeps ``.grad = None``, so the
@@ -90,23 +143,39 @@ class GradientAverager:
     extra collective, a presence flag per parameter rides in the first buffer.
     """
 
-    def __init__(self, engine: Engine, cap_bytes: int) -> None:
+    def __init__(self, engine: Engine, cap_bytes: int, reduction: Reduction) -> None:
         self._engine = engine
         self._cap_bytes = cap_bytes
+        self._reduction = reduction
         self._plan_key: tuple[int, ...] = ()
         self._plan: list[Bucket] = []
+        self._bucket_names: list[str] = []
 
-    def _buckets(self, params: Sequence[Tensor]) -> list[Bucket]:
+    def _buckets(self, names: Sequence[str], params: Sequence[Tensor]) -> list[Bucket]:
         key = tuple(id(p) for p in params)
         if key != self._plan_key:
-            self._plan = plan_buckets(params, self._cap_bytes)
+            group_of = _group_of(params, self._reduction.groups)
+            self._plan = plan_buckets(params, self._cap_bytes, group_of)
+            # Collective names (Horovod matches on them) come from param-store names.
+            self._bucket_names = [
+                f"pyro_distributed.grad.{names[b.members[0]]}+{len(b.members) - 1}"
+                for b in self._plan
+            ]
             self._plan_key = key
         return self._plan
 
-    def average_(self, params: Sequence[Tensor]) -> None:
+    def _scales(self, narrowed: bool) -> tuple[float, float]:
+        """Factors applied before and after summation."""
+        if self._reduction.op == "sum":
+            return 1.0, 1.0
+        world_size = self._engine.world_size
+        predivide = world_size if narrowed else self._reduction.predivide
+        return 1.0 / predivide, predivide / world_size
+
+    def average_(self, names: Sequence[str], params: Sequence[Tensor]) -> None:
         if not params:
             return
-        buckets = self._buckets(params)
+        buckets = self._buckets(names, params)
         grads = [_dense_grad(p) for p in params]
         pieces = [[grads[i].reshape(-1) for i in bucket.members] for bucket in buckets]
         flag_dtype, flag_device = buckets[0].dtype, buckets[0].device
@@ -114,7 +183,7 @@ class GradientAverager:
             torch.tensor([p.grad is not None for p in params], dtype=flag_dtype, device=flag_device)
         )
         flats = [torch.cat(bucket_pieces) for bucket_pieces in pieces]
-        self._engine.allreduce_(flats, op="mean")
+        flats = self._reduce(flats)
         flags_start = sum(buckets[0].numels)
         present = (flats[0][flags_start:] > 0).tolist()
         for bucket, flat in zip(buckets, flats, strict=True):
@@ -122,6 +191,28 @@ class GradientAverager:
             for index, chunk in zip(bucket.members, chunks, strict=True):
                 param = params[index]
                 param.grad = chunk.view_as(param) if present[index] else None
+
+    def _reduce(self, flats: list[Tensor]) -> list[Tensor]:
+        compression = self._reduction.compression
+        if compression is None:
+            pre, post = self._scales(narrowed=False)
+            _scale_(flats, pre)
+            self._engine.allreduce_(flats, op="sum", names=self._bucket_names)
+            _scale_(flats, post)
+            return flats
+        narrowed = compression.compress(flats[0][:1])[0].dtype != flats[0].dtype
+        pre, post = self._scales(narrowed)
+        _scale_(flats, pre)
+        wires, contexts = zip(*(compression.compress(flat) for flat in flats), strict=True)
+        self._engine.allreduce_(list(wires), op="sum", names=self._bucket_names)
+        restored = [compression.decompress(w, c) for w, c in zip(wires, contexts, strict=True)]
+        _scale_(restored, post)
+        return restored
+
+
+def _scale_(tensors: list[Tensor], factor: float) -> None:
+    if factor != 1.0:
+        torch._foreach_mul_(tensors, factor)
 
 
 def _dense_grad(param: Tensor) -> Tensor:

@@ -137,3 +137,60 @@ def run_workers(
     if failures:
         raise WorkerFailure(failures)
     return [results[rank] for rank in range(world_size)]
+
+
+def run_under_horovodrun(
+    scenarios: list[tuple[str, Callable[..., Any], tuple[Any, ...]]],
+    *,
+    world_size: int = 2,
+    timeout: float = 300.0,
+) -> dict[str, list[Any]]:
+    """Run each ``(name, fn, args)`` on every worker of one real ``horovodrun --gloo``.
+
+    Returns, by scenario name, the workers' results by rank. A scenario that
+    failed on any worker maps to a :class:`WorkerFailure` instead, which the
+    test that owns it raises; every worker's traceback is in it.
+    """
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "scenarios.pkl"
+        spec.write_bytes(
+            pickle.dumps(
+                [(name, f"{fn.__module__}:{fn.__name__}", args) for name, fn, args in scenarios]
+            )
+        )
+        command = [
+            str(horovodrun), "--gloo", "-np", str(world_size), "-H", f"localhost:{world_size}",
+            sys.executable, "-m", "tests.horovod_runner", str(spec), tmp,
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+        try:
+            done = subprocess.run(
+                command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+            )
+            output = f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+            log = f"horovodrun exit code {done.returncode}\n{output}"
+        except subprocess.TimeoutExpired as exc:
+            log = f"horovodrun did not finish within {timeout:g} s\n{exc.stdout!r}"
+        per_rank = []
+        for rank in range(world_size):
+            path = Path(tmp) / f"rank{rank}.pkl"
+            per_rank.append(pickle.loads(path.read_bytes()) if path.exists() else {})
+    outcome: dict[str, Any] = {}
+    for name, _, _ in scenarios:
+        reports = {}
+        values = []
+        for rank, results in enumerate(per_rank):
+            status, payload = results.get(name, ("error", f"no result; {log}"))
+            if status == "ok":
+                values.append(payload)
+            else:
+                reports[rank] = payload
+        outcome[name] = WorkerFailure(reports) if reports else values
+    return outcome

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
 
 from .harness import free_port
 
@@ -51,3 +56,45 @@ def test_regression_example_runs_under_torchrun_on_two_workers() -> None:
     assert output.count("weights:") == 1
     for fitted, true in zip(fitted_weights(output), [2.0, -1.0, 0.5], strict=True):
         assert abs(fitted - true) < 0.1
+
+
+def horovodrun(*script_and_args: str) -> str:
+    """Run under the real horovodrun; return the output without its "[rank]<stdout>:" tags."""
+    command = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2"]
+    output = run([*command, sys.executable, *script_and_args])
+    return re.sub(r"^\[\d+\]<stdout>:", "", output, flags=re.MULTILINE)
+
+
+@pytest.mark.horovod
+def test_regression_example_runs_under_horovodrun_on_two_workers() -> None:
+    output = horovodrun(str(EXAMPLE), "--steps=600")
+    assert output.count("training on 2 worker(s)") == 1, "only worker 0 prints"
+    for fitted, true in zip(fitted_weights(output), [2.0, -1.0, 0.5], strict=True):
+        assert abs(fitted - true) < 0.1
+
+
+def final_params(output: str) -> dict[int, dict[str, Any]]:
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith('{"rank"')]
+    return {line["rank"]: line for line in lines}
+
+
+@pytest.mark.horovod
+def test_script_written_for_pyros_class_runs_unchanged_with_ours(tmp_path: Path) -> None:
+    original = ROOT / "tests" / "scripts" / "pyro_horovod_script.py"
+    source = original.read_text()
+    assert source.count("from pyro.optim import HorovodOptimizer") == 1
+    ours = tmp_path / "ours.py"
+    ours.write_text(
+        source.replace(
+            "from pyro.optim import HorovodOptimizer",
+            "from pyro_distributed import HorovodOptimizer",
+        )
+    )
+    with_pyros = final_params(horovodrun(str(original)))
+    with_ours = final_params(horovodrun(str(ours)))
+    assert with_ours.keys() == {0, 1}
+    assert with_ours[0]["params"] == with_ours[1]["params"], "workers diverged"
+    # Same algorithm: Adam on the averaged gradient. Only summation order may differ.
+    for name, values in with_pyros[0]["params"].items():
+        ours_values = torch.tensor(with_ours[0]["params"][name])
+        assert torch.allclose(ours_values, torch.tensor(values), atol=1e-3), name

@@ -226,9 +226,11 @@ class CountingEngine(Engine):
     local_rank = property(lambda self: self.inner.local_rank)  # type: ignore[assignment]
     world_size = property(lambda self: self.inner.world_size)  # type: ignore[assignment]
 
-    def allreduce_(self, tensors: Sequence[torch.Tensor], op: ReduceOp = "sum") -> None:
+    def allreduce_(
+        self, tensors: Sequence[torch.Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
+    ) -> None:
         self.calls.append((f"allreduce_{op}", len(tensors)))
-        self.inner.allreduce_(tensors, op)
+        self.inner.allreduce_(tensors, op, names)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         self.calls.append(("broadcast", len(tensors)))
@@ -264,14 +266,14 @@ def test_four_hundred_params_cost_two_collectives_per_step() -> None:
     per_step = run_workers(_count_collectives, 400, 25.0)[0]
     first, *later = per_step
     # header, one broadcast of all new params, one gradient buffer
-    assert first == [("allreduce_max", 1), ("broadcast", 1), ("allreduce_mean", 1)]
-    assert later == [[("allreduce_max", 1), ("allreduce_mean", 1)]] * 2
+    assert first == [("allreduce_max", 1), ("broadcast", 1), ("allreduce_sum", 1)]
+    assert later == [[("allreduce_max", 1), ("allreduce_sum", 1)]] * 2
 
 
 def test_bucket_cap_splits_the_gradient_buffer() -> None:
     # 400 params x 10 floats x 4 bytes = 16000 bytes; a 4000-byte cap gives 4 buckets
     per_step = run_workers(_count_collectives, 400, 4000 / 2**20)[0]
-    assert per_step[-1] == [("allreduce_max", 1), ("allreduce_mean", 4)]
+    assert per_step[-1] == [("allreduce_max", 1), ("allreduce_sum", 4)]
 
 
 # --- input checking, in one process -------------------------------------------------------
@@ -284,7 +286,9 @@ def test_rejects_a_torch_optimizer_class() -> None:
 
 def test_rejects_wrapping_twice() -> None:
     once = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}), engine="local")
-    with pytest.raises(TypeError, match="already a DistributedOptimizer"):
+    with pytest.raises(
+        TypeError, match="already a DistributedOptimizer; wrap the plain optimizer once"
+    ):
         pd.DistributedOptimizer(once)
 
 

@@ -6,7 +6,7 @@ import pyro
 import torch
 
 import pyro_distributed as pd
-from pyro_distributed.reduce import GradientAverager, plan_buckets
+from pyro_distributed.reduce import GradientAverager, Reduction, plan_buckets
 
 from .harness import run_workers
 
@@ -39,7 +39,7 @@ def _fused_and_per_tensor_means() -> tuple[list[torch.Tensor], list[torch.Tensor
     for p in params:
         p.grad = torch.randn(p.shape, generator=generator)
     expected = [pd.all_mean(p.grad) for p in params]  # type: ignore[arg-type]
-    GradientAverager(pd.current_engine(), cap_bytes=24).average_(params)
+    GradientAverager(pd.current_engine(), 24, Reduction()).average_(["a", "b", "c", "d"], params)
     return [p.grad for p in params], expected  # type: ignore[misc]
 
 

@@ -67,11 +67,14 @@ class Engine(abc.ABC):
         """How many workers take part."""
 
     @abc.abstractmethod
-    def allreduce_(self, tensors: Sequence[Tensor], op: ReduceOp = "sum") -> None:
+    def allreduce_(
+        self, tensors: Sequence[Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
+    ) -> None:
         """Reduce each tensor across workers, in place.
 
         All tensors are sent together (fused or issued asynchronously), so a
-        call costs one round trip, not one per tensor.
+        call costs one round trip, not one per tensor. ``names``, if given,
+        name the collectives for engines that match tensors by name.
         """
 
     @abc.abstractmethod

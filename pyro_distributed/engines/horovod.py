@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -44,7 +45,11 @@ def import_horovod() -> ModuleType:
 
 
 class HorovodEngine(Engine):
-    """Collectives through Horovod (``horovodrun --gloo`` or MPI)."""
+    """Collectives through Horovod (``horovodrun --gloo`` or MPI).
+
+    :param process_set: run every collective within this ``hvd.ProcessSet``
+        instead of all workers; rank and world size are then the set's.
+    """
 
     name = "horovod"
 
@@ -53,9 +58,9 @@ class HorovodEngine(Engine):
         """Whether this process was launched by ``horovodrun``."""
         return "HOROVOD_RANK" in os.environ
 
-    def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
-        hvd = import_horovod()
+    def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT, process_set: Any = None) -> None:
         super().__init__(timeout)
+        hvd = import_horovod()
         self._owns_init = not hvd.is_initialized()
         if self._owns_init:
             seconds = str(max(1, int(timeout.total_seconds())))
@@ -64,12 +69,28 @@ class HorovodEngine(Engine):
             os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", seconds)
             hvd.init()
         self.hvd = hvd
+        self._process_set = process_set if process_set is not None else hvd.global_process_set
         self._ops = {"sum": hvd.Sum, "mean": hvd.Average, "max": hvd.Max}
         self._calls = 0
 
+    def within(self, process_set: Any) -> HorovodEngine:
+        """The same Horovod, with collectives restricted to ``process_set``."""
+        if not isinstance(process_set, self.hvd.ProcessSet):
+            raise TypeError(f"process_set must be an hvd.ProcessSet, got {process_set!r}")
+        if process_set.process_set_id is None:
+            raise ValueError(
+                f"{process_set} is not registered with Horovod; pass it to "
+                f"hvd.init(process_sets=[...]) or hvd.add_process_set() first"
+            )
+        if not process_set.included():
+            raise ValueError(f"worker {self.hvd.rank()} is not a member of {process_set}")
+        view = HorovodEngine.__new__(HorovodEngine)
+        view.__dict__.update(self.__dict__, _owns_init=False, _process_set=process_set, _calls=0)
+        return view
+
     @property
     def rank(self) -> int:
-        return int(self.hvd.rank())
+        return int(self._process_set.rank())
 
     @property
     def local_rank(self) -> int:
@@ -77,7 +98,7 @@ class HorovodEngine(Engine):
 
     @property
     def world_size(self) -> int:
-        return int(self.hvd.size())
+        return int(self._process_set.size())
 
     def _name(self, what: str) -> str:
         # Horovod matches collectives across workers by name; a counter that
@@ -97,25 +118,19 @@ class HorovodEngine(Engine):
                 f"(horovod engine, time-out {self._timeout.total_seconds():g} s): {exc}"
             ) from exc
 
-    def allreduce_(self, tensors: Sequence[Tensor], op: ReduceOp = "sum") -> None:
+    def allreduce_(
+        self, tensors: Sequence[Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
+    ) -> None:
         if op not in self._ops:
             raise ValueError(f"the horovod engine has no reduction {op!r}")
-        if not tensors:
-            return
+        names = list(names) or [self._name(op) for _ in tensors]
         with self._collective(f"allreduce ({op}) of {len(tensors)} tensor(s)"):
-            self.hvd.grouped_allreduce_(list(tensors), op=self._ops[op], name=self._name(op))
-
-    def allreduce_named_(
-        self, tensors: Sequence[Tensor], names: Sequence[str], **options: Any
-    ) -> None:
-        """Reduce tensors with explicit collective names and Horovod options.
-
-        ``options`` are those of ``hvd.grouped_allreduce_`` (``op``,
-        ``prescale_factor``, ``postscale_factor``, ``process_set``).
-        """
-        with self._collective(f"allreduce of {len(tensors)} tensor(s)"):
+            # Asynchronous calls, then waits: Horovod's background thread fuses
+            # whatever is pending into one buffer per cycle.
             handles = [
-                self.hvd.allreduce_async_(tensor, name=name, **options)
+                self.hvd.allreduce_async_(
+                    tensor, name=name, op=self._ops[op], process_set=self._process_set
+                )
                 for tensor, name in zip(tensors, names, strict=True)
             ]
             for handle in handles:
@@ -124,19 +139,36 @@ class HorovodEngine(Engine):
     def broadcast_(self, tensors: Sequence[Tensor], src: int = 0) -> None:
         with self._collective(f"broadcast from worker {src} of {len(tensors)} tensor(s)"):
             handles = [
-                self.hvd.broadcast_async_(tensor, root_rank=src, name=self._name("broadcast"))
+                self.hvd.broadcast_async_(
+                    tensor,
+                    root_rank=src,
+                    name=self._name("broadcast"),
+                    process_set=self._process_set,
+                )
                 for tensor in tensors
             ]
             for handle in handles:
                 self.hvd.synchronize(handle)
 
     def allgather_object(self, obj: Any) -> list[Any]:
+        # hvd.allgather_object knows no process sets; allgather of bytes does,
+        # and concatenates workers' payloads of different lengths.
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         with self._collective("allgather of Python objects"):
-            return list(self.hvd.allgather_object(obj, name=self._name("allgather_object")))
+            sizes = self.hvd.allgather(
+                torch.tensor([payload.numel()]),
+                name=self._name("object_sizes"),
+                process_set=self._process_set,
+            )
+            data = self.hvd.allgather(
+                payload, name=self._name("objects"), process_set=self._process_set
+            )
+        chunks = torch.split(data, sizes.tolist())
+        return [pickle.loads(chunk.numpy().tobytes()) for chunk in chunks]
 
     def barrier(self) -> None:
         with self._collective("barrier"):
-            self.hvd.allreduce_(torch.zeros(1), op=self.hvd.Sum, name=self._name("barrier"))
+            self.hvd.barrier(process_set=self._process_set)
 
     def shutdown(self) -> None:
         if self._owns_init and self.hvd.is_initialized():

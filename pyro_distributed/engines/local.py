@@ -33,7 +33,9 @@ class LocalEngine(Engine):
     def world_size(self) -> int:
         return 1
 
-    def allreduce_(self, tensors: Sequence[Tensor], op: ReduceOp = "sum") -> None:
+    def allreduce_(
+        self, tensors: Sequence[Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
+    ) -> None:
         pass
 
     def broadcast_(self, tensors: Sequence[Tensor], src: int = 0) -> None:

@@ -111,7 +111,9 @@ class TorchEngine(Engine):
                 f"(torch engine, time-out {self._timeout.total_seconds():g} s): {exc}"
             ) from exc
 
-    def allreduce_(self, tensors: Sequence[Tensor], op: ReduceOp = "sum") -> None:
+    def allreduce_(
+        self, tensors: Sequence[Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
+    ) -> None:
         if op not in _REDUCE_OPS:
             raise ValueError(f"the torch engine has no reduction {op!r}")
         with self._collective(f"allreduce ({op}) of {len(tensors)} tensor(s)"):

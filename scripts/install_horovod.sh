@@ -1,0 +1,288 @@
+#!/usr/bin/env bash
+# Build and install Horovod 0.28.1 (PyTorch + Gloo, CPU ops, no MPI/TF/MXNet)
+# into the currently active Python environment, against the torch that is
+# already installed there.
+#
+# Usage:
+#   . .venv/bin/activate                 # or any env that already has torch
+#   scripts/install_horovod.sh [--no-check] [--verbose] [-h|--help]
+#
+# Options:
+#   --no-check   skip the final smoke check (hvd.init() + a 2-process
+#                `horovodrun --gloo` allreduce)
+#   --verbose    stream the full compiler output to the terminal (it is always
+#                written to a log file under the cache directory as well)
+#   -h, --help   show this help
+#
+# Environment:
+#   PYTHON                  interpreter to install into (default: `python` on PATH)
+#   PYRO_DISTRIBUTED_CACHE  cache root (default: $HOME/.cache/pyro-distributed);
+#                           built wheels go to $PYRO_DISTRIBUTED_CACHE/wheels/
+#   MAKEFLAGS               passed through if set; otherwise -j$(nproc)
+#
+# Why a source build: horovod 0.28.1 is the last release and ships no wheels.
+# It compiles with C++14, but torch >= 2.1 headers need C++17, so the sdist is
+# patched (CMAKE_CXX_STANDARD 14 -> 17) before building. The first run compiles
+# for ~3-8 minutes on 2 cores. The resulting wheel is ABI-tied to the torch
+# it was built against, so it is cached per (torch version, python tag, arch);
+# later runs with the same torch just `pip install` the cached wheel.
+#
+# If `import horovod.torch` already works with horovod 0.28.1, the script exits
+# 0 immediately without doing anything.
+
+set -euo pipefail
+
+HOROVOD_VERSION=0.28.1
+SUGGESTED_TORCH_VERSION=2.13.0
+
+RUN_CHECK=1
+VERBOSE=0
+
+log() { printf '[install_horovod] %s\n' "$*" >&2; }
+die() { printf '[install_horovod] ERROR: %s\n' "$*" >&2; exit 1; }
+usage() { sed -n '2,/^$/{s/^# \{0,1\}//;p}' "$0"; }
+
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --no-check) RUN_CHECK=0 ;;
+        --verbose) VERBOSE=1 ;;
+        -h|--help) usage; exit 0 ;;
+        *) usage >&2; die "unknown argument: $1" ;;
+    esac
+    shift
+done
+
+# --------------------------------------------------------------------------
+# Python environment and torch
+# --------------------------------------------------------------------------
+PYTHON="$(command -v "${PYTHON:-python}" || true)"
+[[ -n "$PYTHON" ]] || die "no 'python' on PATH; activate the target environment first"
+PIP=("$PYTHON" -m pip)
+
+WORKDIR="$(mktemp -d "${TMPDIR:-/tmp}/install-horovod.XXXXXX")"
+trap 'rm -rf "$WORKDIR"' EXIT
+
+# Run python from a neutral directory, so a horovod/ source tree in the
+# caller's cwd can never shadow the installed package.
+py() { (cd "$WORKDIR" && "$PYTHON" "$@"); }
+
+# One interpreter start (importing torch costs ~2s) to learn the torch
+# version, the python tag and whether a working horovod is already there.
+# Prints: "PROBE <torch version|-> <python tag> <yes|no>".
+probe() {
+    py - "$HOROVOD_VERSION" 2>/dev/null <<'EOF_PY' | grep '^PROBE ' | tail -n1
+import sys
+tag = f"{sys.implementation.name[:2]}{sys.version_info[0]}{sys.version_info[1]}"
+try:
+    import torch
+except Exception:
+    print("PROBE", "-", tag, "no")
+    sys.exit(0)
+ok = "no"
+try:
+    import horovod
+    import horovod.torch  # noqa: F401  (fails if built against another torch)
+    ok = "yes" if horovod.__version__ == sys.argv[1] else "no"
+except Exception:
+    pass
+print("PROBE", torch.__version__, tag, ok)
+EOF_PY
+}
+
+read -r _ TORCH_VERSION PY_TAG HOROVOD_OK <<<"$(probe)" || true
+[[ -n "${PY_TAG:-}" ]] || die "could not run $PYTHON"
+if [[ "$TORCH_VERSION" == "-" ]]; then
+    die "torch is not installed in $PYTHON's environment. Install it first, e.g.:
+    pip install torch==${SUGGESTED_TORCH_VERSION}
+then re-run this script (horovod is compiled against the installed torch)."
+fi
+ARCH="$(uname -m)"
+log "python: $PYTHON ($PY_TAG), torch: $TORCH_VERSION"
+
+# --------------------------------------------------------------------------
+# Already installed?
+# --------------------------------------------------------------------------
+if [[ "$HOROVOD_OK" == yes ]]; then
+    log "horovod $HOROVOD_VERSION with torch support is already installed; nothing to do."
+    exit 0
+fi
+
+"${PIP[@]}" --version >/dev/null 2>&1 || die "pip is not available for $PYTHON"
+
+CACHE_ROOT="${PYRO_DISTRIBUTED_CACHE:-$HOME/.cache/pyro-distributed}"
+CACHE_KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VERSION}_${PY_TAG}_${ARCH}"
+WHEEL_CACHE="$CACHE_ROOT/wheels/$CACHE_KEY"
+LOG_DIR="$CACHE_ROOT/logs"
+mkdir -p "$WHEEL_CACHE" "$LOG_DIR"
+
+# Never let pip replace the torch that horovod is (being) compiled against.
+CONSTRAINTS="$WORKDIR/constraints.txt"
+echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
+
+# Runtime deps of horovod; setup.py also lists them in setup_requires, so they
+# must be present before a --no-build-isolation build.
+RUNTIME_DEPS=(cloudpickle psutil pyyaml packaging 'cffi>=1.4.0')
+
+find_cached_wheel() {
+    local w
+    for w in "$WHEEL_CACHE"/horovod-"${HOROVOD_VERSION}"-*.whl; do
+        [[ -f "$w" ]] && { echo "$w"; return 0; }
+    done
+    return 1
+}
+
+# --------------------------------------------------------------------------
+# Build the wheel (only if not cached)
+# --------------------------------------------------------------------------
+pick_cmake() {
+    # Any cmake >= 3.13 (setup.py's minimum). /usr/bin/cmake is tried first, as
+    # a pip-installed cmake 4.x on PATH rejects gloo's old cmake_minimum_required
+    # unless CMAKE_POLICY_VERSION_MINIMUM is set (which build_wheel also does).
+    local c v
+    for c in /usr/bin/cmake "$(command -v cmake || true)"; do
+        [[ -n "$c" && -x "$c" ]] || continue
+        v="$("$c" --version 2>/dev/null | sed -n 's/^cmake version \([0-9][0-9.]*\).*/\1/p')"
+        [[ -n "$v" ]] || continue
+        if py -c 'import sys; v=tuple(map(int, sys.argv[1].split(".")[:2])); sys.exit(0 if v >= (3, 13) else 1)' "$v"; then
+            echo "$c"; return 0
+        fi
+    done
+    return 1
+}
+
+build_wheel() {
+    command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 \
+        || die "no C++ compiler found (e.g. 'apt-get install -y build-essential')"
+    command -v make >/dev/null 2>&1 || die "'make' not found (e.g. 'apt-get install -y build-essential')"
+
+    # A cmake shim dir in front of PATH: horovod's setup.py calls plain `cmake`.
+    # (We do not put /usr/bin itself first, that could shadow the env's python.)
+    local cmake_bin
+    mkdir -p "$WORKDIR/bin"
+    if cmake_bin="$(pick_cmake)"; then
+        ln -s "$cmake_bin" "$WORKDIR/bin/cmake"
+    else
+        log "no usable cmake >= 3.13 found; installing 'cmake>=3.13,<4' into a temp dir"
+        "${PIP[@]}" install --quiet --target "$WORKDIR/cmake-py" 'cmake>=3.13,<4'
+        printf '#!/bin/sh\nPYTHONPATH=%q exec %q "$@"\n' "$WORKDIR/cmake-py" "$WORKDIR/cmake-py/bin/cmake" \
+            > "$WORKDIR/bin/cmake"
+        chmod +x "$WORKDIR/bin/cmake"
+    fi
+    export PATH="$WORKDIR/bin:$PATH"
+    # Lets cmake >= 4 accept gloo's old cmake_minimum_required; ignored by 3.x.
+    export CMAKE_POLICY_VERSION_MINIMUM=3.5
+    log "using $(cmake --version | head -n1) ($(readlink -f "$WORKDIR/bin/cmake" 2>/dev/null || echo "$WORKDIR/bin/cmake"))"
+
+    log "ensuring build prerequisites (setuptools, wheel support, ${RUNTIME_DEPS[*]})"
+    py -c 'import setuptools' 2>/dev/null || "${PIP[@]}" install --quiet -c "$CONSTRAINTS" setuptools
+    py -c 'import setuptools.command.bdist_wheel' 2>/dev/null || py -c 'import wheel' 2>/dev/null \
+        || "${PIP[@]}" install --quiet -c "$CONSTRAINTS" wheel
+    "${PIP[@]}" install --quiet -c "$CONSTRAINTS" "${RUNTIME_DEPS[@]}"
+
+    log "downloading horovod==$HOROVOD_VERSION source distribution from PyPI"
+    "${PIP[@]}" download --quiet --no-binary :all: --no-deps -d "$WORKDIR/sdist" "horovod==$HOROVOD_VERSION"
+    local sdist
+    sdist="$(ls "$WORKDIR"/sdist/horovod-"$HOROVOD_VERSION".tar.gz 2>/dev/null)" \
+        || die "pip download did not produce horovod-$HOROVOD_VERSION.tar.gz"
+    mkdir -p "$WORKDIR/src"
+    tar -xzf "$sdist" -C "$WORKDIR/src"
+    local src="$WORKDIR/src/horovod-$HOROVOD_VERSION"
+    [[ -f "$src/setup.py" ]] || die "unexpected sdist layout: $src/setup.py missing"
+
+    log "patching CMake files: CMAKE_CXX_STANDARD 14 -> 17 (torch >= 2.1 needs C++17)"
+    local f
+    for f in CMakeLists.txt horovod/torch/CMakeLists.txt; do
+        grep -Eq 'set\(CMAKE_CXX_STANDARD 14\)' "$src/$f" \
+            || die "C++17 patch: 'set(CMAKE_CXX_STANDARD 14)' not found in $f; sdist changed?"
+        sed -i -E 's/set\(CMAKE_CXX_STANDARD 14\)/set(CMAKE_CXX_STANDARD 17)/g' "$src/$f"
+        if grep -Eq 'CMAKE_CXX_STANDARD 14' "$src/$f" || ! grep -Eq 'set\(CMAKE_CXX_STANDARD 17\)' "$src/$f"; then
+            die "C++17 patch did not apply cleanly to $f"
+        fi
+    done
+
+    export HOROVOD_WITH_PYTORCH=1
+    export HOROVOD_WITHOUT_MPI=1
+    export HOROVOD_WITHOUT_TENSORFLOW=1
+    export HOROVOD_WITHOUT_MXNET=1
+    export HOROVOD_WITH_GLOO=1
+    export HOROVOD_CPU_OPERATIONS=GLOO
+    # setup.py hard-codes -j8 unless MAKEFLAGS is set; use one job per core.
+    export MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}"
+
+    local build_log
+    build_log="$LOG_DIR/build-$CACHE_KEY-$(date +%Y%m%d-%H%M%S).log"
+    log "building horovod $HOROVOD_VERSION wheel against torch $TORCH_VERSION (MAKEFLAGS=$MAKEFLAGS);"
+    log "this takes ~3-8 minutes on 2 cores. Full log: $build_log"
+    local start=$SECONDS rc=0
+    if [[ $VERBOSE == 1 ]]; then
+        (cd "$src" && "${PIP[@]}" wheel -v --no-cache-dir --no-build-isolation --no-deps -w "$WORKDIR/dist" .) 2>&1 \
+            | tee "$build_log" || rc=$?
+    else
+        (cd "$src" && "${PIP[@]}" wheel -v --no-cache-dir --no-build-isolation --no-deps -w "$WORKDIR/dist" .) \
+            >"$build_log" 2>&1 || rc=$?
+    fi
+    if [[ $rc != 0 ]]; then
+        tail -n 60 "$build_log" >&2 || true
+        die "horovod build failed (exit $rc); see $build_log"
+    fi
+    log "build finished in $((SECONDS - start))s"
+
+    local built
+    built="$(ls "$WORKDIR"/dist/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -n1)" \
+        || die "build succeeded but no wheel found in $WORKDIR/dist"
+    [[ -n "$built" ]] || die "build succeeded but no wheel found in $WORKDIR/dist"
+    # Copy then rename, so an interrupted copy never leaves a truncated cached wheel.
+    cp "$built" "$WHEEL_CACHE/.$(basename "$built").partial"
+    mv "$WHEEL_CACHE/.$(basename "$built").partial" "$WHEEL_CACHE/$(basename "$built")"
+    log "cached wheel: $WHEEL_CACHE/$(basename "$built")"
+}
+
+if WHEEL="$(find_cached_wheel)"; then
+    log "using cached wheel $WHEEL"
+else
+    build_wheel
+    WHEEL="$(find_cached_wheel)" || die "wheel missing from cache after build"
+fi
+
+# --------------------------------------------------------------------------
+# Install
+# --------------------------------------------------------------------------
+log "installing $(basename "$WHEEL") (torch pinned to $TORCH_VERSION)"
+# Replace any broken/stale horovod (e.g. one built against another torch)...
+"${PIP[@]}" install --quiet --no-deps --force-reinstall "$WHEEL"
+# ...then let pip resolve horovod's runtime deps, with torch held in place.
+"${PIP[@]}" install --quiet -c "$CONSTRAINTS" "$WHEEL"
+
+read -r _ NEW_TORCH _ HOROVOD_OK <<<"$(probe)" || true
+[[ "$NEW_TORCH" == "$TORCH_VERSION" ]] || die "torch changed from $TORCH_VERSION to $NEW_TORCH during install"
+if [[ "$HOROVOD_OK" != yes ]]; then
+    py -c 'import horovod.torch' || true
+    die "installed horovod $HOROVOD_VERSION, but 'import horovod.torch' fails"
+fi
+log "horovod $HOROVOD_VERSION installed."
+
+# --------------------------------------------------------------------------
+# Smoke check
+# --------------------------------------------------------------------------
+if [[ $RUN_CHECK == 0 ]]; then
+    log "skipping smoke check (--no-check)"
+    exit 0
+fi
+
+log "smoke check 1/2: single-process hvd.init()"
+size="$(py -c 'import horovod.torch as hvd; hvd.init(); print(hvd.size())')"
+[[ "$size" == 1 ]] || die "expected hvd.size() == 1, got '$size'"
+
+HOROVODRUN="$(py -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/horovodrun"
+[[ -x "$HOROVODRUN" ]] || HOROVODRUN="$(command -v horovodrun || true)"
+[[ -n "$HOROVODRUN" ]] || die "horovodrun not found after install"
+
+log "smoke check 2/2: horovodrun --gloo -np 2 allreduce"
+out="$(cd "$WORKDIR" && timeout 300 "$HOROVODRUN" --gloo -np 2 -H localhost:2 "$PYTHON" -c \
+    "import horovod.torch as hvd, torch; hvd.init(); t=hvd.allreduce(torch.ones(1)*hvd.rank(), op=hvd.Sum); print(hvd.rank(), t.item())" 2>&1)" \
+    || { printf '%s\n' "$out" >&2; die "horovodrun smoke check failed"; }
+printf '%s\n' "$out" >&2
+# Each rank prints "<rank> 1.0" (0 + 1); horovodrun prefixes lines with [rank]<stdout>:
+n_ok="$(printf '%s\n' "$out" | grep -Ec '[01] 1\.0$' || true)"
+[[ "$n_ok" == 2 ]] || die "unexpected horovodrun output (expected both ranks to print 1.0)"
+log "smoke check passed."
