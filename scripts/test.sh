@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The project's whole check, as CI runs it: set up the venv, build Horovod
+# (cached after the first run), lint, type-check and run every test.
+#
+#   bash scripts/test.sh [extra pytest arguments]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/setup_env.sh
+
+bash scripts/install_horovod.sh
+
+echo "[test] ruff"
+ruff check pyro_distributed tests examples benchmarks scripts
+ruff format --check pyro_distributed tests examples benchmarks scripts
+echo "[test] mypy"
+mypy
+echo "[test] pytest"
+python -m pytest "$@"
