@@ -218,5 +218,6 @@ def _scale_(tensors: list[Tensor], factor: float) -> None:
 def _dense_grad(param: Tensor) -> Tensor:
     grad = param.grad
     if grad is None:
-        return torch.zeros_like(param)
-    return grad.to_dense() if grad.is_sparse else grad
+        return torch.zeros_like(param, requires_grad=False)
+    # Detached: multi-optimizers leave graph-carrying gradients (create_graph=True).
+    return (grad.to_dense() if grad.is_sparse else grad).detach()

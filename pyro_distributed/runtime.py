@@ -8,6 +8,7 @@ plain single process (rank 0 of 1) without any set-up.
 
 from __future__ import annotations
 
+import atexit
 import math
 from datetime import timedelta
 from typing import TypeVar
@@ -103,6 +104,11 @@ def shutdown() -> None:
     if _engine is not None:
         engine, _engine = _engine, None
         engine.shutdown()
+
+
+# Most scripts never call shutdown(). A gloo group still alive while the
+# interpreter finalises can abort the process, so tear it down at exit.
+atexit.register(shutdown)
 
 
 def rank() -> int:
