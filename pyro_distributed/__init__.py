@@ -16,6 +16,7 @@ Example::
     loss = pd.all_mean(svi.step(my_shard))
 """
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .errors import PyroDistributedError
 from .horovod_optim import HorovodOptimizer
 from .optim import DistributedOptimizer
@@ -42,8 +43,10 @@ __all__ = [
     "current_engine",
     "init",
     "is_main",
+    "load_checkpoint",
     "local_rank",
     "rank",
+    "save_checkpoint",
     "shutdown",
     "world_size",
 ]

@@ -79,6 +79,10 @@ class ParameterAgreement:
         # name -> the unconstrained tensor that was synchronised under that name
         self._synced: dict[str, Tensor] = {}
 
+    def forget(self) -> None:
+        """Treat every parameter as new again (after the param store was replaced)."""
+        self._synced.clear()
+
     def agree(self, params: Iterable[Tensor]) -> StepParams:
         store = pyro.get_param_store()
         given: dict[str, Tensor] = {}

@@ -118,6 +118,8 @@ class DistributedOptimizer(PyroOptim):
             )
         self.wrapped = pyro_optim
         self.engine = engine
+        #: How many times the optimizer was called (saved in checkpoints).
+        self.num_steps = 0
         cap_bytes = max(1, int(bucket_cap_mb * 2**20))
         self._agreement = ParameterAgreement(engine, cap_bytes)
         self._averager = GradientAverager(engine, cap_bytes, reduction)
@@ -136,6 +138,7 @@ class DistributedOptimizer(PyroOptim):
         :param params: the unconstrained parameters to step, as SVI passes them
             (a set), or a list or ``dict.values()``.
         """
+        self.num_steps += 1
         if self.engine.world_size == 1:
             self.wrapped(params, *args, **kwargs)  # type: ignore[arg-type]
             return
@@ -183,6 +186,16 @@ class DistributedOptimizer(PyroOptim):
         if "metrics" in kwargs:
             return args, {**kwargs, "metrics": _engine_mean(self.engine, kwargs["metrics"])}
         return args, kwargs
+
+    def _forget_parameters(self) -> None:
+        """Drop per-parameter optimizers and sync records, after the param store was replaced.
+
+        They are keyed by tensors the store no longer holds; new ones are made,
+        and fresh state applied, as each parameter reaches the optimizer again.
+        """
+        self.wrapped.optim_objs.clear()
+        self.wrapped.grad_clip.clear()
+        self._agreement.forget()
 
     def get_state(self) -> dict[str, Any]:
         """The wrapped optimizer's state, keyed by param-store name."""

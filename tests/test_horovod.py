@@ -18,8 +18,9 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from .harness import WorkerFailure, run_under_horovodrun
+from .harness import WorkerFailure, run_under_horovodrun, run_workers
 from .models import bayesian_regression, param_values, regression_data
+from .test_semantics import clip_cases, train_each_elbo, train_each_scheduler
 
 pytestmark = pytest.mark.horovod
 
@@ -216,6 +217,9 @@ SCENARIOS: list[tuple[str, Any, tuple[Any, ...]]] = [
     ("bad_arguments", bad_arguments, ()),
     ("engine", engine_view, ()),
     ("process_set", process_set_global, ()),
+    ("every_elbo", train_each_elbo, (False,)),
+    ("every_scheduler", train_each_scheduler, (False,)),
+    ("clip_cases", clip_cases, (False,)),
 ]
 
 
@@ -400,3 +404,23 @@ def test_num_groups_is_accepted_with_horovods_deprecation_warning() -> None:
 def test_unknown_kwarg_is_a_type_error_before_horovod_starts() -> None:
     with pytest.raises(TypeError, match="'lr'"):
         pd.HorovodOptimizer(pyro.optim.Adam({"lr": 0.1}), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "worker"),
+    [
+        ("every_elbo", train_each_elbo),
+        ("every_scheduler", train_each_scheduler),
+        ("clip_cases", clip_cases),
+    ],
+)
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_semantics_on_horovod_match_one_process(scenario: str, worker: Any) -> None:
+    """ELBOs with several backward passes, every scheduler, clipping: as on the torch engine."""
+    distributed = outcome(scenario)
+    (single,) = run_workers(worker, True, world_size=1)
+    for case, expected in single.items():
+        for got in distributed:
+            for name, value in expected.items():
+                assert torch.equal(got[case][name], distributed[0][case][name]), (case, name)
+                assert torch.allclose(got[case][name], value, rtol=1e-4, atol=1e-5), (case, name)

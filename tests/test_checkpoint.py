@@ -1,0 +1,173 @@
+"""Checkpoints: exact resume in fresh processes, and clear errors for bad files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+from torch.distributions import constraints, transform_to
+from torch.distributions.transforms import identity_transform
+
+import pyro_distributed as pd
+
+from .harness import run_workers
+from .models import bayesian_regression, param_values, regression_data
+
+
+def _new_run() -> tuple[SVI, pd.DistributedOptimizer, tuple[torch.Tensor, torch.Tensor]]:
+    pyro.set_rng_seed(7 + pd.rank())
+    x, y = regression_data(pd.rank(), 16)
+    guide = AutoNormal(bayesian_regression)
+    guide(x, y)  # create the guide's parameters before any checkpoint is loaded
+    scheduler = pyro.optim.ExponentialLR(
+        {"optimizer": torch.optim.Adam, "optim_args": {"lr": 0.05}, "gamma": 0.95}
+    )
+    optim = pd.DistributedOptimizer(scheduler)
+    return SVI(bayesian_regression, guide, optim, Trace_ELBO()), optim, (x, y)
+
+
+def _train(svi: SVI, optim: pd.DistributedOptimizer, data: Any, steps: int) -> None:
+    for _ in range(steps):
+        svi.step(*data)
+        optim.step()
+
+
+def _snapshot(optim: pd.DistributedOptimizer) -> dict[str, Any]:
+    return {"params": param_values(), "optim": optim.get_state(), "steps": optim.num_steps}
+
+
+def train_straight(steps: int) -> dict[str, Any]:
+    svi, optim, data = _new_run()
+    _train(svi, optim, data, steps)
+    return _snapshot(optim)
+
+
+def train_then_save(steps: int, path: str) -> None:
+    svi, optim, data = _new_run()
+    _train(svi, optim, data, steps)
+    pd.save_checkpoint(path, optim)
+
+
+def load_then_train(steps: int, path: str) -> dict[str, Any]:
+    svi, optim, data = _new_run()
+    # Only worker 0 reads the file: the others are given a path that does not exist.
+    start = pd.load_checkpoint(path if pd.rank() == 0 else path + ".elsewhere", optim)
+    assert start == optim.num_steps
+    _train(svi, optim, data, steps)
+    return _snapshot(optim)
+
+
+def assert_same_state(got: Any, want: Any, where: str = "") -> None:
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            assert_same_state(got[key], want[key], f"{where}/{key}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for index, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_state(g, w, f"{where}/{index}")
+    else:
+        assert got == want, where
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_in_fresh_processes_equals_an_uninterrupted_run(
+    world_size: int, tmp_path: Path
+) -> None:
+    path = str(tmp_path / "run.pt")
+    straight = run_workers(train_straight, 20, world_size=world_size)
+    run_workers(train_then_save, 10, path, world_size=world_size)
+    resumed = run_workers(load_then_train, 10, path, world_size=world_size)
+    for rank in range(world_size):
+        assert_same_state(resumed[rank], straight[rank])
+    assert resumed[0]["steps"] == 20
+    assert_same_state(resumed[-1]["params"], resumed[0]["params"])
+    assert not list(tmp_path.glob("*.tmp")), "a temporary file was left behind"
+
+
+def _load_expecting(path: str, error: type[Exception]) -> str:
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
+    with pytest.raises(error) as info:
+        pd.load_checkpoint(path if pd.rank() == 0 else "/nonexistent", optim)
+    return str(info.value)
+
+
+def _write_checkpoint(path: str) -> None:
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
+    p = pyro.param("w", torch.zeros(3)).unconstrained()
+    p.sum().backward()
+    optim([p])
+    pd.save_checkpoint(path, optim)
+
+
+def test_corrupt_truncated_foreign_and_missing_files_give_clear_errors(tmp_path: Path) -> None:
+    good = tmp_path / "good.pt"
+    run_workers(_write_checkpoint, str(good))
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"this is not a checkpoint")
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(2)}, foreign)
+
+    cases = [
+        (garbage, ValueError, "is corrupt or truncated"),
+        (truncated, ValueError, "is corrupt or truncated"),
+        (foreign, ValueError, "is not a pyro_distributed checkpoint"),
+        (tmp_path / "missing.pt", FileNotFoundError, "no checkpoint at"),
+    ]
+    for path, error, message in cases:
+        for rank_message in run_workers(_load_expecting, str(path), error):
+            assert message in rank_message and str(path) in rank_message
+
+
+def _model_with_w_of_size(size: int, path: str) -> str:
+    pyro.param("w", torch.zeros(size))
+    return _load_expecting(path, ValueError)
+
+
+def test_checkpoint_of_a_different_model_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.pt"
+    run_workers(_write_checkpoint, str(path))
+    for message in run_workers(_model_with_w_of_size, 5, str(path)):
+        assert "is of a different model" in message
+        assert "'w': [3] torch.float32 saved, [5] torch.float32 now" in message
+
+
+class _Unpicklable(constraints.Constraint):
+    def __reduce__(self) -> Any:
+        raise TypeError("this constraint cannot be saved")
+
+
+transform_to.register(_Unpicklable, lambda constraint: identity_transform)
+
+
+def _save_fails(path: str) -> str:
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
+    pyro.param("w", torch.zeros(3), constraint=_Unpicklable())
+    with pytest.raises(pd.PyroDistributedError) as info:
+        pd.save_checkpoint(path, optim)
+    return str(info.value)
+
+
+def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path: Path) -> None:
+    path = tmp_path / "run.pt"
+    run_workers(_write_checkpoint, str(path))
+    before = path.read_bytes()
+    for message in run_workers(_save_fails, str(path)):
+        assert "worker 0 could not write the checkpoint" in message
+        assert "cannot be saved" in message and "intact" in message
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pt"]
+
+
+def test_checkpoint_functions_need_the_distributed_optimizer(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="must be the run's DistributedOptimizer"):
+        pd.save_checkpoint(tmp_path / "x.pt", pyro.optim.Adam({"lr": 0.1}))  # type: ignore[arg-type]
