@@ -17,6 +17,7 @@ Example::
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
+from .data import ShardSampler, shard, shard_indices
 from .errors import PyroDistributedError
 from .horovod_optim import HorovodOptimizer
 from .optim import DistributedOptimizer
@@ -31,6 +32,8 @@ from .runtime import (
     shutdown,
     world_size,
 )
+from .seeding import set_rng_seed
+from .subsample import shard_subsamples
 
 __version__ = "0.1.0"
 
@@ -38,6 +41,7 @@ __all__ = [
     "DistributedOptimizer",
     "HorovodOptimizer",
     "PyroDistributedError",
+    "ShardSampler",
     "all_mean",
     "barrier",
     "current_engine",
@@ -47,6 +51,10 @@ __all__ = [
     "local_rank",
     "rank",
     "save_checkpoint",
+    "set_rng_seed",
+    "shard",
+    "shard_indices",
+    "shard_subsamples",
     "shutdown",
     "world_size",
 ]

@@ -1,7 +1,8 @@
 """Checkpoints that every worker can resume from, written without races.
 
 A checkpoint holds the param store (values and constraints), the optimizer's
-state (schedulers included), every worker's RNG state and the step count.
+state (schedulers included), every worker's RNG state, the shared generator
+behind sharded subsamples, and the step count.
 Saving and loading are collectives, called on every worker:
 
 * :func:`save_checkpoint` gathers the workers' RNG states to worker 0, which
@@ -26,6 +27,7 @@ import torch
 
 from .errors import PyroDistributedError
 from .optim import DistributedOptimizer
+from .seeding import shared_generator
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -63,6 +65,7 @@ def save_checkpoint(path: str | os.PathLike[str], optim: DistributedOptimizer) -
             "param_store": store.get_state(),
             "optim": optim.get_state(),
             "rng": rng_states,
+            "shared_rng": shared_generator().get_state(),
         }
         try:
             _write_atomically(Path(path), state)
@@ -116,6 +119,7 @@ def load_checkpoint(path: str | os.PathLike[str], optim: DistributedOptimizer) -
     optim._forget_parameters()
     optim.set_state(state["optim"])
     optim.num_steps = state["num_steps"]
+    shared_generator().set_state(state["shared_rng"])
     if state["world_size"] == engine.world_size:
         pyro.util.set_rng_state(state["rng"][engine.rank])
     return int(state["num_steps"])

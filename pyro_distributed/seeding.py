@@ -1,0 +1,54 @@
+"""Per-worker randomness from one seed, and the draws all workers share.
+
+Data-parallel SVI needs two kinds of randomness. The guide's Monte Carlo
+samples must be independent across workers, or the extra workers reduce no
+variance; but some draws, such as which data points each plate subsamples,
+must be identical everywhere so that workers can split them. :func:`set_rng_seed`
+seeds Pyro, torch, NumPy and :mod:`random` with a different seed on each
+worker, derived from one seed and the rank, and seeds the shared generator
+that :func:`pyro_distributed.shard_subsamples` draws from with the seed itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyro
+import torch
+
+from . import runtime
+
+__all__ = ["set_rng_seed", "shared_generator", "worker_seed"]
+
+_shared = torch.Generator().manual_seed(0)
+
+
+def worker_seed(seed: int, rank: int) -> int:
+    """The seed worker ``rank`` uses under ``set_rng_seed(seed)`` (fits in 32 bits)."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint32)[0])
+
+
+def set_rng_seed(seed: int) -> None:
+    """Seed every generator for a reproducible run that is random across workers.
+
+    Each worker seeds Pyro, torch, NumPy and :mod:`random` with
+    ``worker_seed(seed, rank)``, so guide samples are independent across
+    workers; the generator behind shared draws (plate subsamples under
+    :func:`~pyro_distributed.shard_subsamples`) gets ``seed`` itself on every
+    worker. A fixed seed and world size give the same run every time.
+
+    Example::
+
+        pyro_distributed.set_rng_seed(0)   # instead of pyro.set_rng_seed(0)
+
+    .. warning::
+        Call it on every worker with the same ``seed``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    pyro.set_rng_seed(worker_seed(seed, runtime.rank()))
+    _shared.manual_seed(seed)
+
+
+def shared_generator() -> torch.Generator:
+    """The generator whose draws are identical on every worker."""
+    return _shared
