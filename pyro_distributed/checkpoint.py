@@ -79,7 +79,9 @@ def save_checkpoint(path: str | os.PathLike[str], optim: DistributedOptimizer) -
         )
 
 
-def load_checkpoint(path: str | os.PathLike[str], optim: DistributedOptimizer) -> int:
+def load_checkpoint(
+    path: str | os.PathLike[str], optim: DistributedOptimizer, *, missing_ok: bool = False
+) -> int:
     """Restore a checkpoint on every worker; returns the step count it was saved at.
 
     Afterwards every worker holds identical parameters and optimizer state.
@@ -88,15 +90,22 @@ def load_checkpoint(path: str | os.PathLike[str], optim: DistributedOptimizer) -
 
     :param path: the checkpoint; only worker 0 needs to be able to read it.
     :param optim: the distributed optimizer of the run being resumed.
-    :raises FileNotFoundError: on every worker, if worker 0 finds no file.
+    :param missing_ok: if worker 0 finds no file, change nothing and return 0
+        on every worker: the one flag a restartable script needs (see below).
+    :raises FileNotFoundError: on every worker, if worker 0 finds no file and
+        ``missing_ok`` is false.
     :raises ValueError: on every worker, if the file is corrupt or truncated,
         is not a checkpoint, or holds parameters that contradict the ones
         already in the param store (a checkpoint of a different model).
 
-    Example::
+    Example, a script that ``torchrun --max-restarts 3`` can restart at any
+    time and that finishes as if it had never stopped::
 
-        if os.path.exists("run.pt"):  # only worker 0 needs to see it
-            start = pyro_distributed.load_checkpoint("run.pt", optim)
+        start = pyro_distributed.load_checkpoint("run.pt", optim, missing_ok=True)
+        for step in range(start, num_steps):
+            svi.step(data)
+            if (step + 1) % 100 == 0:
+                pyro_distributed.save_checkpoint("run.pt", optim)
 
     .. warning::
         Checkpoints are unpickled: load only files you trust. Call it on every
@@ -110,12 +119,14 @@ def load_checkpoint(path: str | os.PathLike[str], optim: DistributedOptimizer) -
     found = engine.allgather_object(found)[0]
     if isinstance(found, tuple):
         kind, message = found
+        if kind == "missing" and missing_ok:
+            return 0
         raise FileNotFoundError(message) if kind == "missing" else ValueError(message)
     assert isinstance(found, bytes)
     state = _deserialize(found)
     _check_compatible(os.fspath(path), state)
 
-    pyro.get_param_store().set_state(state["param_store"])
+    _restore_param_store(state["param_store"])
     optim._forget_parameters()
     optim.set_state(state["optim"])
     optim.num_steps = state["num_steps"]
@@ -123,6 +134,23 @@ def load_checkpoint(path: str | os.PathLike[str], optim: DistributedOptimizer) -
     if state["world_size"] == engine.world_size:
         pyro.util.set_rng_state(state["rng"][engine.rank])
     return int(state["num_steps"])
+
+
+def _restore_param_store(saved: dict[str, Any]) -> None:
+    """Put the saved values into the param store.
+
+    Parameters that already exist are overwritten in place, not replaced:
+    ``PyroModule`` and ``pyro.module`` networks hold their own tensors, and
+    would silently keep training their old values if the store swapped them.
+    """
+    store = pyro.get_param_store()
+    current = dict(store.named_parameters())
+    with torch.no_grad():
+        for name, value in saved["params"].items():
+            if name in current:
+                current[name].copy_(value)
+    fresh = {name: value for name, value in saved["params"].items() if name not in current}
+    store.set_state({"params": fresh, "constraints": saved["constraints"]})
 
 
 def _check_optim(optim: object) -> None:

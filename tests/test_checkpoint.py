@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
+from pyro.nn import PyroModule
 from torch.distributions import constraints, transform_to
 from torch.distributions.transforms import identity_transform
 
@@ -171,3 +173,40 @@ def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path: Path) -> No
 def test_checkpoint_functions_need_the_distributed_optimizer(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="must be the run's DistributedOptimizer"):
         pd.save_checkpoint(tmp_path / "x.pt", pyro.optim.Adam({"lr": 0.1}))  # type: ignore[arg-type]
+
+
+class _Net(PyroModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = PyroModule[torch.nn.Linear](2, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(self.linear(x).squeeze(-1), 1.0), obs=y)
+
+
+def _pyro_module_run(path: str, load: bool, steps: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    net = _Net()
+    x, y = torch.randn(16, 2), torch.randn(16)
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
+    svi = SVI(net, lambda x, y: None, optim, Trace_ELBO())
+    svi.step(x, y)  # registers the module's parameters in the param store
+    if load:
+        pd.load_checkpoint(path, optim)
+        assert torch.equal(net.linear.weight.detach(), param_values()["linear.weight"])
+    for _ in range(steps):
+        svi.step(x, y)
+    if not load:
+        pd.save_checkpoint(path, optim)
+    return {"weight": net.linear.weight.detach().clone(), **param_values()}
+
+
+def test_pyro_module_networks_train_on_from_the_loaded_values(tmp_path: Path) -> None:
+    path = str(tmp_path / "net.pt")
+    saved, _ = run_workers(_pyro_module_run, path, False, 5)
+    resumed, _ = run_workers(_pyro_module_run, path, True, 0)
+    # The module itself holds the saved weights, not only the param store.
+    assert torch.equal(resumed["weight"], saved["weight"])
+    moved, _ = run_workers(_pyro_module_run, path, True, 3)
+    assert not torch.equal(moved["weight"], saved["weight"]), "training goes on from there"
