@@ -17,7 +17,8 @@ Example::
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import ShardSampler, shard, shard_indices
+from .consistency import assert_in_sync
+from .data import ShardSampler, even_batches, shard, shard_indices
 from .errors import PyroDistributedError
 from .horovod_optim import HorovodOptimizer
 from .optim import DistributedOptimizer
@@ -43,8 +44,10 @@ __all__ = [
     "PyroDistributedError",
     "ShardSampler",
     "all_mean",
+    "assert_in_sync",
     "barrier",
     "current_engine",
+    "even_batches",
     "init",
     "is_main",
     "load_checkpoint",

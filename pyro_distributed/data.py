@@ -11,7 +11,7 @@ positions r, r + W, ...) over one order shared by all workers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Iterable, Iterator, Sized
 from typing import Literal, TypeVar
 
 import torch
@@ -20,7 +20,7 @@ from torch.utils.data import Sampler
 
 from . import runtime
 
-__all__ = ["ShardSampler", "shard", "shard_indices"]
+__all__ = ["ShardSampler", "even_batches", "shard", "shard_indices"]
 
 Uneven = Literal["drop", "pad"]
 T = TypeVar("T")
@@ -104,3 +104,34 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self._indices())
+
+
+def even_batches(batches: Iterable[T]) -> Iterator[T]:
+    """Yield batches while every worker still has one; end the epoch together.
+
+    Shards of unequal length would leave the workers with more batches
+    waiting in their next step for workers that have finished. Wrapped in
+    ``even_batches``, the loop stops on every worker as soon as any worker
+    runs out, at the cost of one tiny collective per batch.
+
+    Example::
+
+        for batch in pd.even_batches(loader):
+            svi.step(batch)
+
+    .. warning::
+        Every worker must wrap its loop the same way: the check is a collective.
+    """
+    engine = runtime.current_engine()
+    iterator = iter(batches)
+    while True:
+        try:
+            batch = next(iterator)
+            missing = 0
+        except StopIteration:
+            missing = 1
+        flag = torch.tensor([missing], dtype=torch.int64)
+        engine.allreduce_([flag], op="max")
+        if flag.item():
+            return
+        yield batch

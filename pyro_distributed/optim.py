@@ -15,8 +15,9 @@ With one worker it does none of the first two and costs nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
 
 import torch
 from pyro.optim import PyroOptim
@@ -24,7 +25,9 @@ from torch import Tensor
 
 from . import runtime
 from .agreement import ParameterAgreement
+from .consistency import assert_in_sync
 from .engines import Engine
+from .errors import PyroDistributedError
 from .reduce import GradientAverager, Reduction
 
 __all__ = ["DistributedOptimizer"]
@@ -45,6 +48,13 @@ class DistributedOptimizer(PyroOptim):
         ``"local"``, or a running :class:`~pyro_distributed.engines.Engine`.
         A name starts the engine with :func:`pyro_distributed.init` if needed.
     :param bucket_cap_mb: largest fused gradient buffer, in MiB.
+    :param nonfinite: what every worker does when an averaged gradient holds
+        NaN or Inf (a non-finite gradient on any worker reaches the average):
+        ``"skip"`` (default) the step with a :class:`RuntimeWarning` naming the
+        parameters, or ``"raise"`` :class:`~pyro_distributed.PyroDistributedError`.
+        Checked when there is more than one worker.
+    :param check_every: run :func:`~pyro_distributed.assert_in_sync` after
+        every ``check_every``-th step (default: never).
 
     Example::
 
@@ -90,6 +100,8 @@ class DistributedOptimizer(PyroOptim):
         *,
         engine: str | Engine = "auto",
         bucket_cap_mb: float = 25.0,
+        nonfinite: Literal["skip", "raise"] = "skip",
+        check_every: int | None = None,
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
@@ -99,11 +111,23 @@ class DistributedOptimizer(PyroOptim):
             raise ValueError(f"bucket_cap_mb must be positive and finite, got {bucket_cap_mb!r}")
         if not isinstance(engine, (str, Engine)):
             raise TypeError(f"engine must be a name or an Engine, got {type(engine).__name__}")
+        if nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+        if check_every is not None and (
+            isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1
+        ):
+            raise ValueError(f"check_every must be a positive int or None, got {check_every!r}")
         running = runtime.init(engine) if isinstance(engine, str) else engine
-        self._configure(pyro_optim, running, bucket_cap_mb, Reduction())
+        self._configure(pyro_optim, running, bucket_cap_mb, Reduction(), nonfinite, check_every)
 
     def _configure(
-        self, pyro_optim: PyroOptim, engine: Engine, bucket_cap_mb: float, reduction: Reduction
+        self,
+        pyro_optim: PyroOptim,
+        engine: Engine,
+        bucket_cap_mb: float,
+        reduction: Reduction,
+        nonfinite: Literal["skip", "raise"] = "skip",
+        check_every: int | None = None,
     ) -> None:
         """Set up the wrapper; shared by every constructor of this family."""
         if not isinstance(pyro_optim, PyroOptim):
@@ -118,6 +142,8 @@ class DistributedOptimizer(PyroOptim):
             )
         self.wrapped = pyro_optim
         self.engine = engine
+        self.nonfinite = nonfinite
+        self.check_every = check_every
         #: How many times the optimizer was called (saved in checkpoints).
         self.num_steps = 0
         cap_bytes = max(1, int(bucket_cap_mb * 2**20))
@@ -143,13 +169,33 @@ class DistributedOptimizer(PyroOptim):
             self.wrapped(params, *args, **kwargs)  # type: ignore[arg-type]
             return
         step = self._agreement.agree(params)
-        self._averager.average_(step.names, step.tensors)
-        self.wrapped(list(step.tensors), *args, **kwargs)
+        if self._averager.average_(step.names, step.tensors):
+            self.wrapped(list(step.tensors), *args, **kwargs)
+        else:
+            self._refuse_nonfinite(step.names, step.tensors)
         for name, param in zip(step.names, step.tensors, strict=True):
             if name in step.borrowed:
                 # This worker's SVI will not zero it; a stale average must not
                 # count as this worker's gradient next step.
                 param.grad = None
+        if self.check_every and self.num_steps % self.check_every == 0:
+            assert_in_sync(self)
+
+    def _refuse_nonfinite(self, names: Sequence[str], params: Sequence[Tensor]) -> None:
+        """Skip the step (or raise), identically on every worker."""
+        bad = [
+            name
+            for name, param in zip(names, params, strict=True)
+            if param.grad is not None and not bool(torch.isfinite(param.grad).all())
+        ]
+        message = (
+            f"the averaged gradient of {', '.join(map(repr, bad[:5]))}"
+            f"{f' and {len(bad) - 5} more' if len(bad) > 5 else ''} is not finite "
+            f"(NaN or Inf on at least one worker) at step {self.num_steps}"
+        )
+        if self.nonfinite == "raise":
+            raise PyroDistributedError(message)
+        warnings.warn(f"{message}; every worker skips this step", RuntimeWarning, stacklevel=3)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Step the wrapped optimizer's learning-rate schedulers.

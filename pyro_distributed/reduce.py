@@ -172,9 +172,14 @@ class GradientAverager:
         predivide = world_size if narrowed else self._reduction.predivide
         return 1.0 / predivide, predivide / world_size
 
-    def average_(self, names: Sequence[str], params: Sequence[Tensor]) -> None:
+    def average_(self, names: Sequence[str], params: Sequence[Tensor]) -> bool:
+        """Average in place; return whether every averaged gradient is finite.
+
+        A NaN or Inf on any worker reaches the average, so every worker
+        returns the same answer.
+        """
         if not params:
-            return
+            return True
         buckets = self._buckets(names, params)
         grads = [_dense_grad(p) for p in params]
         pieces = [[grads[i].reshape(-1) for i in bucket.members] for bucket in buckets]
@@ -184,6 +189,7 @@ class GradientAverager:
         )
         flats = [torch.cat(bucket_pieces) for bucket_pieces in pieces]
         flats = self._reduce(flats)
+        finite = all(bool(torch.isfinite(flat).all()) for flat in flats)
         flags_start = sum(buckets[0].numels)
         present = (flats[0][flags_start:] > 0).tolist()
         for bucket, flat in zip(buckets, flats, strict=True):
@@ -191,6 +197,7 @@ class GradientAverager:
             for index, chunk in zip(bucket.members, chunks, strict=True):
                 param = params[index]
                 param.grad = chunk.view_as(param) if present[index] else None
+        return finite
 
     def _reduce(self, flats: list[Tensor]) -> list[Tensor]:
         compression = self._reduction.compression

@@ -31,8 +31,10 @@ ENGINE_TIMEOUT = 30.0
 class WorkerFailure(AssertionError):
     """Some worker raised, died or did not finish; the message shows every worker."""
 
-    def __init__(self, reports: dict[int, str]) -> None:
+    def __init__(self, reports: dict[int, str], results: dict[int, Any] | None = None) -> None:
         self.reports = reports
+        #: What the workers that did finish returned, by rank.
+        self.results = results or {}
         body = "\n".join(f"--- worker {rank} ---\n{text}" for rank, text in sorted(reports.items()))
         super().__init__(f"{len(reports)} worker(s) failed\n{body}")
 
@@ -73,13 +75,14 @@ def _worker(
         result = ("ok", fn(*args))
     except BaseException:  # report everything, including KeyboardInterrupt
         result = ("error", traceback.format_exc())
-    try:
-        # Plain pickle copies tensor data; multiprocessing's own pickler would
-        # share it through this process, which is about to exit.
-        conn.send_bytes(pickle.dumps(result))
-    finally:
+    # Plain pickle copies tensor data; multiprocessing's own pickler would
+    # share it through this process, which is about to exit.
+    conn.send_bytes(pickle.dumps(result))
+    conn.close()
+    if result[0] == "ok":
         pyro_distributed.shutdown()
-        conn.close()
+    # After an error, exit without a goodbye, as a crashing script would:
+    # peers still blocked in a collective see the connection drop.
 
 
 def run_workers(
@@ -135,7 +138,7 @@ def run_workers(
             process.kill()
             process.join()
     if failures:
-        raise WorkerFailure(failures)
+        raise WorkerFailure(failures, results)
     return [results[rank] for rank in range(world_size)]
 
 

@@ -424,3 +424,16 @@ def test_semantics_on_horovod_match_one_process(scenario: str, worker: Any) -> N
             for name, value in expected.items():
                 assert torch.equal(got[case][name], distributed[0][case][name]), (case, name)
                 assert torch.allclose(got[case][name], value, rtol=1e-4, atol=1e-5), (case, name)
+
+
+def adasum_error() -> str:
+    with pytest.raises(ValueError) as info:
+        pd.HorovodOptimizer(pyro.optim.Adam({"lr": 0.1}), op=_hvd().Adasum)
+    return str(info.value)
+
+
+def test_adasum_on_three_workers_names_the_power_of_two_rule() -> None:
+    result = run_under_horovodrun([("adasum", adasum_error, ())], world_size=3)["adasum"]
+    if isinstance(result, WorkerFailure):
+        raise result
+    assert result == ["op=hvd.Adasum needs a power-of-2 number of workers, got 3"] * 3

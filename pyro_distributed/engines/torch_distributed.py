@@ -13,14 +13,19 @@ the transport can pipeline them; every wait is bounded by the time-out.
 from __future__ import annotations
 
 import os
+import socket
+import sys
+import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous
 
 from ..errors import PyroDistributedError
 from .base import DEFAULT_TIMEOUT, Engine, ReduceOp
@@ -30,6 +35,20 @@ __all__ = ["TorchEngine"]
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, under another user
+    try:  # a killed process that nobody has reaped yet is a zombie: dead all the same
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return True  # no /proc here: trust kill()
 
 
 class TorchEngine(Engine):
@@ -59,11 +78,35 @@ class TorchEngine(Engine):
                     f"(missing {', '.join(missing)}). Launch with `torchrun --nproc-per-node N "
                     f"script.py`, or call torch.distributed.init_process_group() first."
                 )
-            dist.init_process_group(backend=self._default_backend(), timeout=timeout)
+            self._join_group(timeout)
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
         self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
+        self._backend = str(dist.get_backend())
+        self._peers: list[tuple[str, int]] = []
+        self._failed = False
         self._cpu_group = self._group_for_cpu_tensors()
+        # Where every worker lives, to name the lost ones when a collective fails.
+        self._peers = self.allgather_object((socket.gethostname(), os.getpid()))
+
+    def _join_group(self, timeout: timedelta) -> None:
+        """Join the group torchrun describes, with keys unique to this restart.
+
+        After ``torchrun --max-restarts`` restarts a job, the rendezvous store
+        still holds the previous attempt's connection keys, and workers that
+        read them dial peers that no longer exist. A prefix per restart round
+        keeps every attempt's keys apart.
+        """
+        store, rank, world_size = next(rendezvous("env://", timeout=timeout))
+        store.set_timeout(timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(
+            backend=self._default_backend(),
+            store=PrefixStore(f"pyro_distributed/attempt{attempt}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
 
     @staticmethod
     def _default_backend() -> str:
@@ -79,8 +122,7 @@ class TorchEngine(Engine):
         add a gloo group beside it (a collective call, made by every worker
         as it creates the engine).
         """
-        backend = str(dist.get_backend())
-        if "gloo" in backend:
+        if "gloo" in self._backend:
             return None  # the default group
         return dist.new_group(backend="gloo", timeout=self._timeout)
 
@@ -97,7 +139,32 @@ class TorchEngine(Engine):
         return self._world_size
 
     def _group(self, tensor: Tensor) -> Any:
-        return self._cpu_group if tensor.device.type == "cpu" else None
+        device = tensor.device.type
+        if device == "cpu":
+            return self._cpu_group
+        if device == "cuda" and "nccl" in self._backend:
+            return None
+        raise PyroDistributedError(
+            f"a {device} tensor cannot travel on this process group (backend "
+            f"{self._backend!r}, which carries CPU tensors only). Keep parameters on the "
+            f"CPU, or use a group with NCCL for CUDA tensors: pyro_distributed picks "
+            f"'cpu:gloo,cuda:nccl' itself when CUDA is available."
+        )
+
+    def lost_workers(self, grace: float = 2.0) -> list[str]:
+        """Workers on this machine whose process has exited, described for a message.
+
+        A peer that raised may still be tearing down when its connection
+        drops, so look again for up to ``grace`` seconds before giving up.
+        """
+        here = socket.gethostname()
+        local = [(r, pid) for r, (host, pid) in enumerate(self._peers) if host == here]
+        deadline = time.monotonic() + grace
+        while True:
+            lost = [f"worker {r} (pid {pid})" for r, pid in local if not _alive(pid)]
+            if lost or time.monotonic() > deadline:
+                return lost
+            time.sleep(0.1)
 
     @contextmanager
     def _collective(self, what: str) -> Iterator[None]:
@@ -106,9 +173,17 @@ class TorchEngine(Engine):
         except PyroDistributedError:
             raise
         except RuntimeError as exc:
+            self._failed = True
+            lost = self.lost_workers()
+            cause = (
+                f"{', '.join(lost)} {'has' if len(lost) == 1 else 'have'} exited"
+                if lost
+                else "a worker died, hung or took another path through the code"
+            )
             raise PyroDistributedError(
-                f"{what} failed on worker {self._rank} of {self._world_size} "
-                f"(torch engine, time-out {self._timeout.total_seconds():g} s): {exc}"
+                f"{what} failed on worker {self._rank} of {self._world_size}: {cause} "
+                f"(torch engine, time-out {self._timeout.total_seconds():g} s). "
+                f"Underlying error: {exc}"
             ) from exc
 
     def allreduce_(
@@ -151,5 +226,15 @@ class TorchEngine(Engine):
                 dist.barrier()
 
     def shutdown(self) -> None:
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if not (self._owns_group and dist.is_initialized()):
+            return
+        # On a clean exit, tear down together: a gloo group destroyed while a
+        # peer's is still open can abort the slower process ("terminate called
+        # without an active exception"). After a failure, or when the script
+        # is dying of an uncaught exception, leave at once: peers then see the
+        # connection drop instead of waiting.
+        dying = hasattr(sys, "last_value") or sys.exc_info()[0] is not None
+        if not (self._failed or dying):
+            with suppress(RuntimeError):
+                dist.monitored_barrier(timeout=min(self._timeout, timedelta(seconds=10)))
+        dist.destroy_process_group()
