@@ -25,6 +25,7 @@ from torch import Tensor
 
 from . import runtime
 from .agreement import ParameterAgreement
+from .compression import Compression, compressor
 from .consistency import assert_in_sync
 from .engines import Engine
 from .errors import PyroDistributedError
@@ -55,6 +56,9 @@ class DistributedOptimizer(PyroOptim):
         Checked when there is more than one worker.
     :param check_every: run :func:`~pyro_distributed.assert_in_sync` after
         every ``check_every``-th step (default: never).
+    :param compression: ``"none"`` (default), ``"fp16"`` or ``"bf16"``: send
+        gradients in half precision, dividing by the world size before
+        summation. The error bound is in :mod:`pyro_distributed.compression`.
 
     Example::
 
@@ -102,6 +106,7 @@ class DistributedOptimizer(PyroOptim):
         bucket_cap_mb: float = 25.0,
         nonfinite: Literal["skip", "raise"] = "skip",
         check_every: int | None = None,
+        compression: Compression = "none",
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
@@ -117,8 +122,9 @@ class DistributedOptimizer(PyroOptim):
             isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1
         ):
             raise ValueError(f"check_every must be a positive int or None, got {check_every!r}")
+        reduction = Reduction(compression=compressor(compression))
         running = runtime.init(engine) if isinstance(engine, str) else engine
-        self._configure(pyro_optim, running, bucket_cap_mb, Reduction(), nonfinite, check_every)
+        self._configure(pyro_optim, running, bucket_cap_mb, reduction, nonfinite, check_every)
 
     def _configure(
         self,
