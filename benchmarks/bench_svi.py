@@ -65,6 +65,8 @@ CONFIGS: list[Config] = [
     Config("plain-x2", "plain", "python", workers=2),
     Config("ours-w1", "ours", "python", baseline="plain"),
     Config("ours-w2", "ours", "torchrun", workers=2, baseline="plain-x2"),
+    Config("ours-mt-w1", "ours-mt", "python", baseline="plain"),
+    Config("ours-mt-w2", "ours-mt", "torchrun", workers=2, baseline="plain-x2"),
     Config("pyro-horovod-w2", "pyro-horovod", "horovodrun", workers=2, baseline="plain-x2"),
     Config("ours-horovod-w2", "ours", "horovodrun", workers=2, baseline="plain-x2"),
 ]

@@ -109,16 +109,19 @@ WORKLOADS: dict[str, Callable[[torch.Generator], Workload]] = {
     "large1m": large1m,
 }
 
-OPTIMS = ("plain", "ours", "pyro-horovod")
+OPTIMS = ("plain", "ours", "ours-mt", "pyro-horovod")
 
 
 def make_optimizer(name: str) -> PyroOptim:
-    """The optimizer for ``--optim``: plain Adam, wrapped by us or by Pyro's Horovod wrapper."""
+    """The optimizer for ``--optim``: plain Adam, wrapped by us (``ours-mt``: with one
+    multi-tensor step) or by Pyro's Horovod wrapper."""
     adam = pyro.optim.Adam({"lr": LEARNING_RATE})
     if name == "plain":
         return adam
     if name == "ours":
         return pyro_distributed.DistributedOptimizer(adam)
+    if name == "ours-mt":
+        return pyro_distributed.DistributedOptimizer(adam, multi_tensor=True)
     import horovod.torch as hvd  # only this configuration needs Horovod
 
     hvd.init()

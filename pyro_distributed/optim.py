@@ -29,6 +29,7 @@ from .compression import Compression, compressor
 from .consistency import assert_in_sync
 from .engines import Engine
 from .errors import PyroDistributedError
+from .multi_tensor import GroupedStepper, grouping_refusal
 from .reduce import GradientAverager, Reduction
 
 __all__ = ["DistributedOptimizer"]
@@ -59,6 +60,10 @@ class DistributedOptimizer(PyroOptim):
     :param compression: ``"none"`` (default), ``"fp16"`` or ``"bf16"``: send
         gradients in half precision, dividing by the world size before
         summation. The error bound is in :mod:`pyro_distributed.compression`.
+    :param multi_tensor: step all parameters that share hyper-parameters with
+        one multi-tensor (``foreach``) torch optimizer instead of one optimizer
+        per parameter (:mod:`pyro_distributed.multi_tensor`). For plain
+        ``PyroOptim`` wrappers of torch optimizers, without ``clip_args``.
 
     Example::
 
@@ -98,6 +103,8 @@ class DistributedOptimizer(PyroOptim):
         subsampling is sharded; otherwise the workers duplicate each other.
     """
 
+    _stepper: GroupedStepper | None
+
     def __init__(
         self,
         pyro_optim: PyroOptim,
@@ -107,6 +114,7 @@ class DistributedOptimizer(PyroOptim):
         nonfinite: Literal["skip", "raise"] = "skip",
         check_every: int | None = None,
         compression: Compression = "none",
+        multi_tensor: bool = False,
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
@@ -125,6 +133,11 @@ class DistributedOptimizer(PyroOptim):
         reduction = Reduction(compression=compressor(compression))
         running = runtime.init(engine) if isinstance(engine, str) else engine
         self._configure(pyro_optim, running, bucket_cap_mb, reduction, nonfinite, check_every)
+        if multi_tensor:
+            refusal = grouping_refusal(pyro_optim)
+            if refusal is not None:
+                raise ValueError(f"multi_tensor=True is not available: {refusal}")
+            self._stepper = GroupedStepper(pyro_optim)
 
     def _configure(
         self,
@@ -150,6 +163,7 @@ class DistributedOptimizer(PyroOptim):
         self.engine = engine
         self.nonfinite = nonfinite
         self.check_every = check_every
+        self._stepper = None
         #: How many times the optimizer was called (saved in checkpoints).
         self.num_steps = 0
         cap_bytes = max(1, int(bucket_cap_mb * 2**20))
@@ -172,11 +186,11 @@ class DistributedOptimizer(PyroOptim):
         """
         self.num_steps += 1
         if self.engine.world_size == 1:
-            self.wrapped(params, *args, **kwargs)  # type: ignore[arg-type]
+            self._step_wrapped(params, *args, **kwargs)
             return
         step = self._agreement.agree(params)
         if self._averager.average_(step.names, step.tensors):
-            self.wrapped(list(step.tensors), *args, **kwargs)
+            self._step_wrapped(list(step.tensors), *args, **kwargs)
         else:
             self._refuse_nonfinite(step.names, step.tensors)
         for name, param in zip(step.names, step.tensors, strict=True):
@@ -186,6 +200,12 @@ class DistributedOptimizer(PyroOptim):
                 param.grad = None
         if self.check_every and self.num_steps % self.check_every == 0:
             assert_in_sync(self)
+
+    def _step_wrapped(self, params: Iterable[Tensor], *args: Any, **kwargs: Any) -> None:
+        if self._stepper is not None:
+            self._stepper.step(params)
+        else:
+            self.wrapped(params, *args, **kwargs)  # type: ignore[arg-type]
 
     def _refuse_nonfinite(self, names: Sequence[str], params: Sequence[Tensor]) -> None:
         """Skip the step (or raise), identically on every worker."""
@@ -248,9 +268,13 @@ class DistributedOptimizer(PyroOptim):
         self.wrapped.optim_objs.clear()
         self.wrapped.grad_clip.clear()
         self._agreement.forget()
+        if self._stepper is not None:
+            self._stepper.forget()
 
     def get_state(self) -> dict[str, Any]:
-        """The wrapped optimizer's state, keyed by param-store name."""
+        """The optimizer state, keyed by param-store name, in PyroOptim's format."""
+        if self._stepper is not None:
+            return self._stepper.get_state()
         return self.wrapped.get_state()
 
     def set_state(self, state_dict: dict[str, Any]) -> None:

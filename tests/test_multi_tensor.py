@@ -1,0 +1,119 @@
+"""The grouped multi-tensor step against PyroOptim's one optimizer per parameter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+import pyro_distributed as pd
+
+from .harness import run_workers
+from .models import bayesian_regression, param_values, regression_data
+
+OPTIMIZERS: dict[str, Callable[[], pyro.optim.PyroOptim]] = {
+    "Adam": lambda: pyro.optim.Adam({"lr": 0.05}),
+    "AdamW": lambda: pyro.optim.AdamW({"lr": 0.05, "weight_decay": 0.1}),
+    "SGD": lambda: pyro.optim.SGD({"lr": 1e-6, "momentum": 0.9}),
+    "RMSprop": lambda: pyro.optim.RMSprop({"lr": 0.01}),
+    "per-param": lambda: pyro.optim.Adam(lambda name: {"lr": 0.1 if "locs" in name else 0.01}),
+}
+
+
+def train(multi_tensor: bool, steps: int) -> dict[str, dict[str, Any]]:
+    results = {}
+    for case, make in OPTIMIZERS.items():
+        pyro.clear_param_store()
+        pyro.set_rng_seed(pd.rank())
+        x, y = regression_data(pd.rank(), 16)
+        optim = pd.DistributedOptimizer(make(), multi_tensor=multi_tensor)
+        svi = SVI(bayesian_regression, AutoNormal(bayesian_regression), optim, Trace_ELBO())
+        for _ in range(steps):
+            svi.step(x, y)
+        results[case] = {"params": param_values(), "state": optim.get_state()}
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_grouped_step_matches_one_optimizer_per_parameter_bitwise(world_size: int) -> None:
+    grouped = run_workers(train, True, 15, world_size=world_size)
+    single = run_workers(train, False, 15, world_size=world_size)
+    for rank in range(world_size):
+        for case, expected in single[rank].items():
+            got = grouped[rank][case]
+            for name, value in expected["params"].items():
+                assert torch.equal(got["params"][name], value), (case, name)
+            assert got["state"].keys() == expected["state"].keys()
+            for name, state in expected["state"].items():
+                for key, tensor in state["state"][0].items():
+                    other = got["state"][name]["state"][0][key]
+                    assert torch.equal(other, tensor), (case, name, key)
+
+
+def only_passed_params_step() -> dict[str, torch.Tensor]:
+    a = pyro.param("a", torch.ones(2)).unconstrained()
+    b = pyro.param("b", torch.ones(2)).unconstrained()
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}), multi_tensor=True)
+    (a.sum() + b.sum()).backward()
+    optim([a, b])
+    a.grad = torch.zeros(2)  # as SVI's zero_grads leaves it
+    b.sum().backward()
+    optim([b])  # a is not passed: it must not move (Adam's momentum would move it)
+    return param_values()
+
+
+def test_params_not_passed_are_not_stepped() -> None:
+    (values,) = run_workers(only_passed_params_step, world_size=1)
+    assert torch.allclose(values["a"], torch.full((2,), 0.9))
+    assert not torch.allclose(values["b"], torch.full((2,), 0.9))
+
+
+def checkpoint_across_modes(path: str, save_grouped: bool) -> dict[str, torch.Tensor]:
+    x, y = regression_data(0, 16)
+    results = {}
+    for phase, grouped in (("first", save_grouped), ("second", not save_grouped)):
+        pyro.set_rng_seed(0)
+        guide = AutoNormal(bayesian_regression)
+        guide(x, y)
+        optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.05}), multi_tensor=grouped)
+        svi = SVI(bayesian_regression, guide, optim, Trace_ELBO())
+        if phase == "second":
+            pd.load_checkpoint(path, optim)
+        for _ in range(5):
+            svi.step(x, y)
+        if phase == "first":
+            pd.save_checkpoint(path, optim)
+        results[phase] = param_values()["AutoNormal.locs.w"]
+    return results
+
+
+@pytest.mark.parametrize("save_grouped", [True, False])
+def test_checkpoints_move_between_the_two_modes(save_grouped: bool, tmp_path: Any) -> None:
+    path = str(tmp_path / "run.pt")
+    (grouped_first,) = run_workers(checkpoint_across_modes, path, save_grouped, world_size=1)
+    (single_first,) = run_workers(checkpoint_across_modes, path, not save_grouped, world_size=1)
+    assert torch.equal(grouped_first["second"], single_first["second"])
+
+
+def test_refused_where_it_cannot_be_exact() -> None:
+    with pytest.raises(ValueError, match="clip_args clip each parameter separately"):
+        pd.DistributedOptimizer(
+            pyro.optim.Adam({"lr": 0.1}, clip_args={"clip_norm": 1.0}),
+            engine="local",
+            multi_tensor=True,
+        )
+    with pytest.raises(ValueError, match="not a plain PyroOptim"):
+        scheduler = pyro.optim.ExponentialLR(
+            {"optimizer": torch.optim.SGD, "optim_args": {"lr": 0.1}, "gamma": 0.9}
+        )
+        pd.DistributedOptimizer(scheduler, engine="local", multi_tensor=True)
+    with pytest.raises(ValueError, match="ClippedAdam has no multi-tensor step"):
+        pd.DistributedOptimizer(
+            pyro.optim.ClippedAdam({"lr": 0.1}), engine="local", multi_tensor=True
+        )
+    pd.shutdown()
