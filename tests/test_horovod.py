@@ -8,6 +8,10 @@ Horovod is built by ``scripts/test.sh``; these tests fail, not skip, without it.
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pyro
@@ -20,9 +24,13 @@ import pyro_distributed as pd
 
 from .harness import WorkerFailure, run_under_horovodrun, run_workers
 from .models import bayesian_regression, param_values, regression_data
+from .test_faults import drift, nan_on_worker_one, uneven_epoch
 from .test_semantics import clip_cases, train_each_elbo, train_each_scheduler
 
 pytestmark = pytest.mark.horovod
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
 
 
 def _hvd() -> Any:
@@ -437,3 +445,64 @@ def test_adasum_on_three_workers_names_the_power_of_two_rule() -> None:
     if isinstance(result, WorkerFailure):
         raise result
     assert result == ["op=hvd.Adasum needs a power-of-2 number of workers, got 3"] * 3
+
+
+HOROVOD_FAULT_SCENARIOS: list[tuple[str, Any, tuple[Any, ...]]] = [
+    ("nan_skip", nan_on_worker_one, ("skip",)),
+    ("drift", drift, ("param",)),
+    ("uneven", uneven_epoch, ()),
+]
+
+
+@functools.cache
+def fault_results() -> dict[str, Any]:
+    return run_under_horovodrun(HOROVOD_FAULT_SCENARIOS)
+
+
+def fault_outcome(name: str) -> list[Any]:
+    result = fault_results()[name]
+    if isinstance(result, WorkerFailure):
+        raise result
+    return result
+
+
+def test_nan_skip_drift_and_uneven_epochs_on_horovod() -> None:
+    first, second = fault_outcome("nan_skip")
+    before, skipped, _ = first["values"]
+    assert torch.equal(before["p"], skipped["p"]) and torch.equal(
+        second["values"][1]["p"], skipped["p"]
+    )
+    drift_messages = fault_outcome("drift")
+    assert drift_messages[0] == drift_messages[1]
+    assert "workers have drifted apart: parameter 'p' differs" in drift_messages[0]
+    uneven = fault_outcome("uneven")
+    assert uneven[0]["used"] == uneven[1]["used"] == 6
+
+
+def test_a_killed_horovod_worker_ends_the_job_quickly_and_is_named(tmp_path: Any) -> None:
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import os, signal, torch, pyro, pyro_distributed as pd\n"
+        "pd.init()\n"
+        "p = pyro.param('p', torch.ones(2)).unconstrained()\n"
+        "optim = pd.DistributedOptimizer(pyro.optim.SGD({'lr': 0.1}))\n"
+        "for step in range(100):\n"
+        "    if step == 5 and pd.rank() == 1:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    p.sum().backward(); optim([p]); p.grad = None\n"
+    )
+    command = [
+        str(BIN / "horovodrun"),
+        "--gloo",
+        "-np",
+        "2",
+        "-H",
+        "localhost:2",
+        sys.executable,
+        str(script),
+    ]
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode != 0
+    assert "Process 1 exit with status code 137" in done.stdout + done.stderr
+    assert time.monotonic() - start < 60

@@ -25,7 +25,7 @@ from pyro.infer import (
     TraceMeanField_ELBO,
     config_enumerate,
 )
-from pyro.optim.multi import PyroMultiOptimizer
+from pyro.optim.multi import Newton, PyroMultiOptimizer, TorchMultiOptimizer
 
 import pyro_distributed as pd
 
@@ -261,3 +261,30 @@ def multi_optimizer(single: bool) -> dict[str, dict[str, torch.Tensor]]:
 
 def test_pyro_multi_optimizer_around_ours_matches_one_process() -> None:
     compare_with_single_process(multi_optimizer)
+
+
+def torch_multi_optimizer(single: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """TorchMultiOptimizer builds its own PyroOptim; wrap that one."""
+    x, y = batch_for(my_ranks(single))
+    pyro.clear_param_store()
+    elbo = Trace_ELBO()
+    optim = TorchMultiOptimizer(torch.optim.Adam, {"lr": 0.05})
+    optim.optim = pd.DistributedOptimizer(optim.optim)
+    for _ in range(STEPS):
+        with pyro.poutine.trace(param_only=True) as capture:
+            loss = elbo.differentiable_loss(point_regression, empty_guide, x, y)
+        params = {name: site["value"].unconstrained() for name, site in capture.trace.nodes.items()}
+        optim.step(loss, params)
+    return {"TorchMultiOptimizer": param_values()}
+
+
+def test_torch_multi_optimizer_around_ours_matches_one_process() -> None:
+    compare_with_single_process(torch_multi_optimizer)
+
+
+def test_second_order_optimizers_cannot_be_wrapped() -> None:
+    # Newton steps use each worker's local Hessian: averaging gradients would
+    # not make them agree, so they are refused rather than silently diverging.
+    with pytest.raises(TypeError, match=r"pyro_optim must be a pyro\.optim\.PyroOptim"):
+        pd.DistributedOptimizer(Newton(), engine="local")  # type: ignore[arg-type]
+    pd.shutdown()
