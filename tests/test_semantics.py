@@ -246,40 +246,32 @@ def test_step_on_a_plain_optimizer_says_only_schedulers_step() -> None:
 # --- multi-optimizers -----------------------------------------------------------------------
 
 
-def multi_optimizer(single: bool) -> dict[str, dict[str, torch.Tensor]]:
+def _train_with(optim: Any, single: bool) -> dict[str, torch.Tensor]:
+    """Drive a MultiOptimizer by hand, as its users do."""
     x, y = batch_for(my_ranks(single))
-    pyro.clear_param_store()
     elbo = Trace_ELBO()
-    optim = PyroMultiOptimizer(pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.05})))
     for _ in range(STEPS):
         with pyro.poutine.trace(param_only=True) as capture:
             loss = elbo.differentiable_loss(point_regression, empty_guide, x, y)
         params = {name: site["value"].unconstrained() for name, site in capture.trace.nodes.items()}
         optim.step(loss, params)
-    return {"PyroMultiOptimizer": param_values()}
+    return param_values()
 
 
-def test_pyro_multi_optimizer_around_ours_matches_one_process() -> None:
-    compare_with_single_process(multi_optimizer)
-
-
-def torch_multi_optimizer(single: bool) -> dict[str, dict[str, torch.Tensor]]:
-    """TorchMultiOptimizer builds its own PyroOptim; wrap that one."""
-    x, y = batch_for(my_ranks(single))
+def multi_optimizers(single: bool) -> dict[str, dict[str, torch.Tensor]]:
     pyro.clear_param_store()
-    elbo = Trace_ELBO()
-    optim = TorchMultiOptimizer(torch.optim.Adam, {"lr": 0.05})
-    optim.optim = pd.DistributedOptimizer(optim.optim)
-    for _ in range(STEPS):
-        with pyro.poutine.trace(param_only=True) as capture:
-            loss = elbo.differentiable_loss(point_regression, empty_guide, x, y)
-        params = {name: site["value"].unconstrained() for name, site in capture.trace.nodes.items()}
-        optim.step(loss, params)
-    return {"TorchMultiOptimizer": param_values()}
+    pyro_multi = PyroMultiOptimizer(pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.05})))
+    results = {"PyroMultiOptimizer": _train_with(pyro_multi, single)}
+    pyro.clear_param_store()
+    # TorchMultiOptimizer builds its own PyroOptim: wrap that one.
+    torch_multi = TorchMultiOptimizer(torch.optim.Adam, {"lr": 0.05})
+    torch_multi.optim = pd.DistributedOptimizer(torch_multi.optim)
+    results["TorchMultiOptimizer"] = _train_with(torch_multi, single)
+    return results
 
 
-def test_torch_multi_optimizer_around_ours_matches_one_process() -> None:
-    compare_with_single_process(torch_multi_optimizer)
+def test_multi_optimizers_around_ours_match_one_process() -> None:
+    compare_with_single_process(multi_optimizers)
 
 
 def test_second_order_optimizers_cannot_be_wrapped() -> None:

@@ -16,11 +16,14 @@ its transport's failures (a peer died, a time-out) into
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
 from torch import Tensor
+
+from ..errors import PyroDistributedError
 
 __all__ = ["DEFAULT_TIMEOUT", "Engine", "ReduceOp"]
 
@@ -50,6 +53,27 @@ class Engine(abc.ABC):
     def timeout(self) -> timedelta:
         """How long a collective may block before it fails."""
         return self._timeout
+
+    #: The transport's exceptions that mean a collective failed.
+    _transport_errors: ClassVar[tuple[type[Exception], ...]] = (RuntimeError,)
+
+    def _diagnosis(self) -> str:
+        """What probably went wrong, for the message of a failed collective."""
+        return "a worker died, hung or took another path through the code"
+
+    @contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Turn the transport's failure inside the block into PyroDistributedError."""
+        try:
+            yield
+        except PyroDistributedError:
+            raise
+        except self._transport_errors as exc:
+            raise PyroDistributedError(
+                f"{what} failed on worker {self.rank} of {self.world_size}: "
+                f"{self._diagnosis()} ({self.name} engine, time-out "
+                f"{self._timeout.total_seconds():g} s). Underlying error: {exc}"
+            ) from exc
 
     @property
     @abc.abstractmethod

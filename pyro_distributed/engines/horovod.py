@@ -15,8 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from datetime import timedelta
 from types import ModuleType
 from typing import Any
@@ -24,7 +23,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import PyroDistributedError
 from .base import DEFAULT_TIMEOUT, Engine, ReduceOp
 
 __all__ = ["HorovodEngine", "import_horovod"]
@@ -52,6 +50,7 @@ class HorovodEngine(Engine):
     """
 
     name = "horovod"
+    _transport_errors = (RuntimeError, ValueError)
 
     @staticmethod
     def detected() -> bool:
@@ -105,18 +104,6 @@ class HorovodEngine(Engine):
         # advances identically on every worker keeps names unique and equal.
         self._calls += 1
         return f"pyro_distributed.{what}.{self._calls}"
-
-    @contextmanager
-    def _collective(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except PyroDistributedError:
-            raise
-        except (RuntimeError, ValueError) as exc:
-            raise PyroDistributedError(
-                f"{what} failed on worker {self.rank} of {self.world_size} "
-                f"(horovod engine, time-out {self._timeout.total_seconds():g} s): {exc}"
-            ) from exc
 
     def allreduce_(
         self, tensors: Sequence[Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()

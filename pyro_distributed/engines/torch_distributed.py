@@ -16,8 +16,8 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
@@ -166,25 +166,12 @@ class TorchEngine(Engine):
                 return lost
             time.sleep(0.1)
 
-    @contextmanager
-    def _collective(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except PyroDistributedError:
-            raise
-        except RuntimeError as exc:
-            self._failed = True
-            lost = self.lost_workers()
-            cause = (
-                f"{', '.join(lost)} {'has' if len(lost) == 1 else 'have'} exited"
-                if lost
-                else "a worker died, hung or took another path through the code"
-            )
-            raise PyroDistributedError(
-                f"{what} failed on worker {self._rank} of {self._world_size}: {cause} "
-                f"(torch engine, time-out {self._timeout.total_seconds():g} s). "
-                f"Underlying error: {exc}"
-            ) from exc
+    def _diagnosis(self) -> str:
+        self._failed = True
+        lost = self.lost_workers()
+        if not lost:
+            return super()._diagnosis()
+        return f"{', '.join(lost)} {'has' if len(lost) == 1 else 'have'} exited"
 
     def allreduce_(
         self, tensors: Sequence[Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
