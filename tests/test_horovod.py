@@ -232,12 +232,13 @@ SCENARIOS: list[tuple[str, Any, tuple[Any, ...]]] = [
 
 
 @functools.cache
-def results_at(world_size: int) -> dict[str, Any]:
-    return run_under_horovodrun(SCENARIOS, world_size=world_size)
+def results_at(world_size: int, suite: str = "main") -> dict[str, Any]:
+    """One horovodrun launch per (suite, world size), shared by the tests that read it."""
+    return run_under_horovodrun(SUITES[suite], world_size=world_size)
 
 
-def outcome(name: str, world_size: int = 2) -> list[Any]:
-    result = results_at(world_size)[name]
+def outcome(name: str, world_size: int = 2, suite: str = "main") -> list[Any]:
+    result = results_at(world_size, suite)[name]
     if isinstance(result, WorkerFailure):
         raise result
     assert len(result) == world_size
@@ -441,41 +442,33 @@ def adasum_error() -> str:
 
 
 def test_adasum_on_three_workers_names_the_power_of_two_rule() -> None:
-    result = run_under_horovodrun([("adasum", adasum_error, ())], world_size=3)["adasum"]
-    if isinstance(result, WorkerFailure):
-        raise result
-    assert result == ["op=hvd.Adasum needs a power-of-2 number of workers, got 3"] * 3
+    assert (
+        outcome("adasum", 3, suite="adasum")
+        == ["op=hvd.Adasum needs a power-of-2 number of workers, got 3"] * 3
+    )
 
 
-HOROVOD_FAULT_SCENARIOS: list[tuple[str, Any, tuple[Any, ...]]] = [
-    ("nan_skip", nan_on_worker_one, ("skip",)),
-    ("drift", drift, ("param",)),
-    ("uneven", uneven_epoch, ()),
-]
-
-
-@functools.cache
-def fault_results() -> dict[str, Any]:
-    return run_under_horovodrun(HOROVOD_FAULT_SCENARIOS)
-
-
-def fault_outcome(name: str) -> list[Any]:
-    result = fault_results()[name]
-    if isinstance(result, WorkerFailure):
-        raise result
-    return result
+SUITES: dict[str, list[tuple[str, Any, tuple[Any, ...]]]] = {
+    "main": SCENARIOS,
+    "faults": [
+        ("nan_skip", nan_on_worker_one, ("skip",)),
+        ("drift", drift, ("param",)),
+        ("uneven", uneven_epoch, ()),
+    ],
+    "adasum": [("adasum", adasum_error, ())],
+}
 
 
 def test_nan_skip_drift_and_uneven_epochs_on_horovod() -> None:
-    first, second = fault_outcome("nan_skip")
+    first, second = outcome("nan_skip", suite="faults")
     before, skipped, _ = first["values"]
     assert torch.equal(before["p"], skipped["p"]) and torch.equal(
         second["values"][1]["p"], skipped["p"]
     )
-    drift_messages = fault_outcome("drift")
+    drift_messages = outcome("drift", suite="faults")
     assert drift_messages[0] == drift_messages[1]
     assert "workers have drifted apart: parameter 'p' differs" in drift_messages[0]
-    uneven = fault_outcome("uneven")
+    uneven = outcome("uneven", suite="faults")
     assert uneven[0]["used"] == uneven[1]["used"] == 6
 
 
