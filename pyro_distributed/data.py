@@ -103,7 +103,10 @@ class ShardSampler(Sampler[int]):
         return iter(self._indices().tolist())
 
     def __len__(self) -> int:
-        return len(self._indices())
+        workers = runtime.world_size()
+        if self.uneven == "drop":
+            return self._length // workers
+        return -(-self._length // workers)
 
 
 def even_batches(batches: Iterable[T]) -> Iterator[T]:
