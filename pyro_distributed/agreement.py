@@ -80,7 +80,7 @@ class ParameterAgreement:
         self._synced: dict[str, Tensor] = {}
 
     def forget(self) -> None:
-        """Treat every parameter as new again (after the param store was replaced)."""
+        """Treat every parameter as new again (after a checkpoint was loaded)."""
         self._synced.clear()
 
     def agree(self, params: Iterable[Tensor]) -> StepParams:

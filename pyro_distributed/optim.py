@@ -254,16 +254,20 @@ class DistributedOptimizer(PyroOptim):
         if self.engine.world_size == 1:
             return args, kwargs
         if args:
-            return (_engine_mean(self.engine, args[0]), *args[1:]), kwargs
+            return (self._metric_mean(args[0]), *args[1:]), kwargs
         if "metrics" in kwargs:
-            return args, {**kwargs, "metrics": _engine_mean(self.engine, kwargs["metrics"])}
+            return args, {**kwargs, "metrics": self._metric_mean(kwargs["metrics"])}
         return args, kwargs
 
-    def _forget_parameters(self) -> None:
-        """Drop per-parameter optimizers and sync records, after the param store was replaced.
+    def _metric_mean(self, metric: Any) -> float:
+        value = metric.detach().item() if isinstance(metric, Tensor) else metric
+        return runtime.float_mean(self.engine, float(value))
 
-        They are keyed by tensors the store no longer holds; new ones are made,
-        and fresh state applied, as each parameter reaches the optimizer again.
+    def _forget_parameters(self) -> None:
+        """Drop per-parameter optimizers and sync records after a checkpoint was loaded.
+
+        New ones are made as each parameter reaches the optimizer again, and
+        they take the loaded state; parameters are broadcast once more.
         """
         self.wrapped.optim_objs.clear()
         self.wrapped.grad_clip.clear()
@@ -283,10 +287,3 @@ class DistributedOptimizer(PyroOptim):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.wrapped!r}, engine={self.engine!r})"
-
-
-def _engine_mean(engine: Engine, metric: Any) -> float:
-    value = float(metric.detach().item() if isinstance(metric, Tensor) else metric)
-    buffer = torch.tensor([value], dtype=torch.float64)
-    engine.allreduce_([buffer], op="mean")
-    return float(buffer.item())

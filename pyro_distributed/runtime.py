@@ -23,6 +23,7 @@ __all__ = [
     "all_mean",
     "barrier",
     "current_engine",
+    "float_mean",
     "init",
     "is_main",
     "local_rank",
@@ -162,6 +163,11 @@ def all_mean(value: Number) -> Number:
         return result
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"all_mean takes a float or a tensor, got {type(value).__name__}")
-    buffer = torch.tensor([float(value)], dtype=torch.float64)
+    return float_mean(engine, float(value))
+
+
+def float_mean(engine: Engine, value: float) -> float:
+    """The mean of one number across ``engine``'s workers, computed in float64."""
+    buffer = torch.tensor([value], dtype=torch.float64)
     engine.allreduce_([buffer], op="mean")
     return float(buffer.item())
