@@ -39,7 +39,7 @@ from .engines import Engine
 from .errors import PyroDistributedError
 from .reduce import broadcast_values_
 
-__all__ = ["ParameterAgreement", "StepParams"]
+__all__ = ["ParameterAgreement", "Proposal", "Settlement", "StepParams"]
 
 Spec = tuple[tuple[int, ...], str]  # shape, dtype
 
@@ -52,6 +52,28 @@ class StepParams:
     tensors: tuple[Tensor, ...]
     #: Names this worker was not given but steps because another worker was.
     borrowed: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One worker's view of a step: what it was given, and what is new to it."""
+
+    names: tuple[str, ...]
+    given: dict[str, Tensor]
+    new: tuple[str, ...]
+    digest: int
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """The outcome of agreeing on a step."""
+
+    step: StepParams
+    #: Every worker proposed the same parameters and none was new: the step
+    #: is exactly the one each worker proposed.
+    unchanged: bool
+    #: The riders, max-reduced across workers.
+    riders: list[int]
 
 
 def _spec(tensor: Tensor) -> Spec:
@@ -84,6 +106,11 @@ class ParameterAgreement:
         self._synced.clear()
 
     def agree(self, params: Iterable[Tensor]) -> StepParams:
+        """Agree on this step's parameters with every worker."""
+        return self.settle(self.propose(params)).step
+
+    def propose(self, params: Iterable[Tensor]) -> Proposal:
+        """This worker's view of the step, before any communication."""
         store = pyro.get_param_store()
         given: dict[str, Tensor] = {}
         for param in params:
@@ -98,21 +125,28 @@ class ParameterAgreement:
         names = sorted(given)
         new = [name for name in names if self._synced.get(name) is not given[name]]
         digest = _digest(names, [(name, _spec(given[name])) for name in new])
+        return Proposal(tuple(names), given, tuple(new), digest)
+
+    def settle(self, proposal: Proposal, riders: Sequence[int] = ()) -> Settlement:
+        """Agree on ``proposal`` with every worker; max-reduce ``riders`` on the way.
+
+        ``riders`` (non-negative ints) travel in the same collective as the
+        digest, which saves the caller a round trip.
+        """
+        names, given, new = list(proposal.names), proposal.given, list(proposal.new)
+        header = torch.tensor([proposal.digest, -proposal.digest, *riders], dtype=torch.int64)
+        self._engine.allreduce_([header], op="max")
+        unanimous = header[0].item() == -header[1].item()
         borrowed: frozenset[str] = frozenset()
-        if not self._all_workers_match(digest):
+        if not unanimous:
             mine = frozenset(given)
             names, given, new = self._reconcile(given)
             borrowed = frozenset(given) - mine
         if new:
             broadcast_values_(self._engine, [given[name] for name in new], self._cap_bytes)
             self._synced.update((name, given[name]) for name in new)
-        return StepParams(tuple(names), tuple(given[name] for name in names), borrowed)
-
-    def _all_workers_match(self, digest: int) -> bool:
-        header = torch.tensor([digest, -digest], dtype=torch.int64)
-        self._engine.allreduce_([header], op="max")
-        highest, lowest = header[0].item(), -header[1].item()
-        return highest == lowest
+        step = StepParams(tuple(names), tuple(given[name] for name in names), borrowed)
+        return Settlement(step, unanimous and not new, header[2:].tolist())
 
     def _reconcile(
         self, given: dict[str, Tensor]

@@ -7,6 +7,8 @@ A call does three things, in the same order on every worker:
 1. agree on the sorted list of parameters, synchronising new ones
    (:mod:`pyro_distributed.agreement`);
 2. average their gradients in a few fused buffers (:mod:`pyro_distributed.reduce`);
+   with overlap, most buckets already left during backward
+   (:mod:`pyro_distributed.overlap`), and step 1 confirms they were the right ones;
 3. let the wrapped optimizer step, so that clipping sees the averaged gradient.
 
 With one worker it does none of the first two and costs nothing.
@@ -24,12 +26,13 @@ from pyro.optim import PyroOptim
 from torch import Tensor
 
 from . import runtime
-from .agreement import ParameterAgreement
+from .agreement import ParameterAgreement, StepParams
 from .compression import Compression, compressor
 from .consistency import assert_in_sync
 from .engines import Engine
 from .errors import PyroDistributedError
 from .multi_tensor import GroupedStepper, grouping_refusal
+from .overlap import BackwardOverlap
 from .reduce import GradientAverager, Reduction
 
 __all__ = ["DistributedOptimizer"]
@@ -64,6 +67,9 @@ class DistributedOptimizer(PyroOptim):
         one multi-tensor (``foreach``) torch optimizer instead of one optimizer
         per parameter (:mod:`pyro_distributed.multi_tensor`). For plain
         ``PyroOptim`` wrappers of torch optimizers, without ``clip_args``.
+    :param overlap: start averaging gradients during backward, as soon as a
+        bucket's gradients are complete (:mod:`pyro_distributed.overlap`).
+        Bitwise the same results as without; on by default.
 
     Example::
 
@@ -115,6 +121,7 @@ class DistributedOptimizer(PyroOptim):
         check_every: int | None = None,
         compression: Compression = "none",
         multi_tensor: bool = False,
+        overlap: bool = True,
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
@@ -130,9 +137,13 @@ class DistributedOptimizer(PyroOptim):
             isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1
         ):
             raise ValueError(f"check_every must be a positive int or None, got {check_every!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False, got {overlap!r}")
         reduction = Reduction(compression=compressor(compression))
         running = runtime.init(engine) if isinstance(engine, str) else engine
-        self._configure(pyro_optim, running, bucket_cap_mb, reduction, nonfinite, check_every)
+        self._configure(
+            pyro_optim, running, bucket_cap_mb, reduction, nonfinite, check_every, overlap
+        )
         if multi_tensor:
             refusal = grouping_refusal(pyro_optim)
             if refusal is not None:
@@ -147,6 +158,7 @@ class DistributedOptimizer(PyroOptim):
         reduction: Reduction,
         nonfinite: Literal["skip", "raise"] = "skip",
         check_every: int | None = None,
+        overlap: bool = True,
     ) -> None:
         """Set up the wrapper; shared by every constructor of this family."""
         if not isinstance(pyro_optim, PyroOptim):
@@ -169,6 +181,9 @@ class DistributedOptimizer(PyroOptim):
         cap_bytes = max(1, int(bucket_cap_mb * 2**20))
         self._agreement = ParameterAgreement(engine, cap_bytes)
         self._averager = GradientAverager(engine, cap_bytes, reduction)
+        self._overlap = (
+            BackwardOverlap(engine, self._averager) if overlap and engine.world_size > 1 else None
+        )
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes this object lacks: read the wrapped
@@ -188,8 +203,8 @@ class DistributedOptimizer(PyroOptim):
         if self.engine.world_size == 1:
             self._step_wrapped(params, *args, **kwargs)
             return
-        step = self._agreement.agree(params)
-        if self._averager.average_(step.names, step.tensors):
+        step, finite = self._average(params)
+        if finite:
             self._step_wrapped(list(step.tensors), *args, **kwargs)
         else:
             self._refuse_nonfinite(step.names, step.tensors)
@@ -200,6 +215,31 @@ class DistributedOptimizer(PyroOptim):
                 param.grad = None
         if self.check_every and self.num_steps % self.check_every == 0:
             assert_in_sync(self)
+
+    def _average(self, params: Iterable[Tensor]) -> tuple[StepParams, bool]:
+        """Agree on the step's parameters and average their gradients.
+
+        Returns the step and whether every averaged gradient is finite.
+        """
+        proposal = self._agreement.propose(params)
+        overlap = self._overlap
+        if overlap is None or not overlap.armed:
+            step = self._agreement.settle(proposal).step
+            finite = self._averager.average_(step.names, step.tensors)
+        else:
+            # Every bucket leaves before the header, on every worker alike;
+            # the header then says whether they held the right parameters.
+            overlap.send_remaining()
+            settlement = self._agreement.settle(proposal, overlap.stale_flags())
+            step = settlement.step
+            if settlement.unchanged and step.names == overlap.names:
+                finite = overlap.finish(resend=settlement.riders)
+            else:
+                overlap.discard()
+                finite = self._averager.average_(step.names, step.tensors)
+        if overlap is not None:
+            overlap.after_step(step.names, step.tensors)
+        return step, finite
 
     def _step_wrapped(self, params: Iterable[Tensor], *args: Any, **kwargs: Any) -> None:
         if self._stepper is not None:
@@ -272,6 +312,8 @@ class DistributedOptimizer(PyroOptim):
         self.wrapped.optim_objs.clear()
         self.wrapped.grad_clip.clear()
         self._agreement.forget()
+        if self._overlap is not None:
+            self._overlap.reset()
         if self._stepper is not None:
             self._stepper.forget()
 

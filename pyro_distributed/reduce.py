@@ -140,7 +140,12 @@ class GradientAverager:
     A parameter whose ``.grad`` is ``None`` on this worker contributes zeros.
     One that has no gradient on any worker keeps ``.grad = None``, so the
     optimizer skips it as it would in one process. To know that without an
-    extra collective, a presence flag per parameter rides in the first buffer.
+    extra collective, each bucket carries a presence flag per member.
+
+    Buckets can also travel one at a time (:meth:`pack`, :meth:`encode`,
+    :meth:`decode`, :meth:`unpack`), which is how
+    :mod:`pyro_distributed.overlap` sends them during backward; the bytes on
+    the wire are the same either way, so the results are bitwise equal.
     """
 
     def __init__(self, engine: Engine, cap_bytes: int, reduction: Reduction) -> None:
@@ -148,21 +153,64 @@ class GradientAverager:
         self._cap_bytes = cap_bytes
         self._reduction = reduction
         self._plan_key: tuple[int, ...] = ()
-        self._plan: list[Bucket] = []
-        self._bucket_names: list[str] = []
+        self.buckets: list[Bucket] = []
+        #: One collective name per bucket (Horovod pairs collectives by name).
+        self.bucket_names: list[str] = []
+        self._params: Sequence[Tensor] = ()
 
-    def _buckets(self, names: Sequence[str], params: Sequence[Tensor]) -> list[Bucket]:
+    def plan(self, names: Sequence[str], params: Sequence[Tensor]) -> list[Bucket]:
+        """Plan (or reuse) the buckets for these parameters, in this order."""
         key = tuple(id(p) for p in params)
         if key != self._plan_key:
             group_of = _group_of(params, self._reduction.groups)
-            self._plan = plan_buckets(params, self._cap_bytes, group_of)
+            self.buckets = plan_buckets(params, self._cap_bytes, group_of)
             # Collective names (Horovod matches on them) come from param-store names.
-            self._bucket_names = [
+            self.bucket_names = [
                 f"pyro_distributed.grad.{names[b.members[0]]}+{len(b.members) - 1}"
-                for b in self._plan
+                for b in self.buckets
             ]
             self._plan_key = key
-        return self._plan
+            self._params = tuple(params)
+        return self.buckets
+
+    def pack(self, index: int) -> Tensor:
+        """Bucket ``index`` as one flat tensor: its gradients, then its presence flags."""
+        bucket = self.buckets[index]
+        members = [self._params[i] for i in bucket.members]
+        flags = torch.tensor(
+            [p.grad is not None for p in members], dtype=bucket.dtype, device=bucket.device
+        )
+        return torch.cat([*(_dense_grad(p).reshape(-1) for p in members), flags])
+
+    def encode(self, flat: Tensor) -> tuple[Tensor, Any]:
+        """Scale (and compress) a packed bucket for the wire, where it is summed."""
+        compression = self._reduction.compression
+        if compression is None:
+            pre, _ = self._scales(narrowed=False)
+            return _scaled(flat, pre), None
+        narrowed = compression.compress(flat[:1])[0].dtype != flat.dtype
+        pre, _ = self._scales(narrowed)
+        return compression.compress(_scaled(flat, pre))
+
+    def decode(self, wire: Tensor, context: Any) -> Tensor:
+        """The summed wire tensor back as an averaged flat bucket."""
+        compression = self._reduction.compression
+        if compression is None:
+            return _scaled(wire, self._scales(narrowed=False)[1])
+        restored = compression.decompress(wire, context)
+        narrowed = wire.dtype != restored.dtype
+        return _scaled(restored, self._scales(narrowed)[1])
+
+    def unpack(self, index: int, flat: Tensor) -> bool:
+        """Point each member's ``.grad`` into the averaged ``flat``; return whether it is finite."""
+        bucket = self.buckets[index]
+        size = sum(bucket.numels)
+        present = (flat[size:] > 0).tolist()
+        chunks = torch.split(flat[:size], bucket.numels)
+        for slot, (member, chunk) in enumerate(zip(bucket.members, chunks, strict=True)):
+            param = self._params[member]
+            param.grad = chunk.view_as(param) if present[slot] else None
+        return bool(torch.isfinite(flat).all())
 
     def _scales(self, narrowed: bool) -> tuple[float, float]:
         """Factors applied before and after summation."""
@@ -173,53 +221,22 @@ class GradientAverager:
         return 1.0 / predivide, predivide / world_size
 
     def average_(self, names: Sequence[str], params: Sequence[Tensor]) -> bool:
-        """Average in place; return whether every averaged gradient is finite.
+        """Average in place, all buckets at once; return whether every average is finite.
 
         A NaN or Inf on any worker reaches the average, so every worker
         returns the same answer.
         """
         if not params:
             return True
-        buckets = self._buckets(names, params)
-        grads = [_dense_grad(p) for p in params]
-        pieces = [[grads[i].reshape(-1) for i in bucket.members] for bucket in buckets]
-        flag_dtype, flag_device = buckets[0].dtype, buckets[0].device
-        pieces[0].append(
-            torch.tensor([p.grad is not None for p in params], dtype=flag_dtype, device=flag_device)
-        )
-        flats = [torch.cat(bucket_pieces) for bucket_pieces in pieces]
-        flats = self._reduce(flats)
-        finite = all(bool(torch.isfinite(flat).all()) for flat in flats)
-        flags_start = sum(buckets[0].numels)
-        present = (flats[0][flags_start:] > 0).tolist()
-        for bucket, flat in zip(buckets, flats, strict=True):
-            chunks = torch.split(flat[: sum(bucket.numels)], bucket.numels)
-            for index, chunk in zip(bucket.members, chunks, strict=True):
-                param = params[index]
-                param.grad = chunk.view_as(param) if present[index] else None
-        return finite
-
-    def _reduce(self, flats: list[Tensor]) -> list[Tensor]:
-        compression = self._reduction.compression
-        if compression is None:
-            pre, post = self._scales(narrowed=False)
-            _scale_(flats, pre)
-            self._engine.allreduce_(flats, op="sum", names=self._bucket_names)
-            _scale_(flats, post)
-            return flats
-        narrowed = compression.compress(flats[0][:1])[0].dtype != flats[0].dtype
-        pre, post = self._scales(narrowed)
-        _scale_(flats, pre)
-        wires, contexts = zip(*(compression.compress(flat) for flat in flats), strict=True)
-        self._engine.allreduce_(list(wires), op="sum", names=self._bucket_names)
-        restored = [compression.decompress(w, c) for w, c in zip(wires, contexts, strict=True)]
-        _scale_(restored, post)
-        return restored
+        indices = range(len(self.plan(names, params)))
+        wires, contexts = zip(*(self.encode(self.pack(i)) for i in indices), strict=True)
+        self._engine.allreduce_(list(wires), op="sum", names=self.bucket_names)
+        flats = [self.decode(w, c) for w, c in zip(wires, contexts, strict=True)]
+        return all([self.unpack(i, flat) for i, flat in zip(indices, flats, strict=True)])
 
 
-def _scale_(tensors: list[Tensor], factor: float) -> None:
-    if factor != 1.0:
-        torch._foreach_mul_(tensors, factor)
+def _scaled(tensor: Tensor, factor: float) -> Tensor:
+    return tensor.mul_(factor) if factor != 1.0 else tensor
 
 
 def _dense_grad(param: Tensor) -> Tensor:

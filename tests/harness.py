@@ -16,9 +16,14 @@ import pickle
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+import torch
+
+from pyro_distributed.engines import Engine
+from pyro_distributed.engines.base import ReduceOp
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "pyro", "pyro_distributed"])
@@ -197,3 +202,38 @@ def run_under_horovodrun(
                 reports[rank] = payload
         outcome[name] = WorkerFailure(reports) if reports else values
     return outcome
+
+
+class CountingEngine(Engine):
+    """Forwards every collective to a real engine and records what it sent."""
+
+    name = "counting"
+
+    def __init__(self, inner: Engine) -> None:
+        super().__init__(inner.timeout)
+        self.inner = inner
+        self.calls: list[tuple[str, int]] = []
+
+    rank = property(lambda self: self.inner.rank)  # type: ignore[assignment]
+    local_rank = property(lambda self: self.inner.local_rank)  # type: ignore[assignment]
+    world_size = property(lambda self: self.inner.world_size)  # type: ignore[assignment]
+
+    def allreduce_(
+        self, tensors: Sequence[torch.Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
+    ) -> None:
+        self.calls.append((f"allreduce_{op}", len(tensors)))
+        self.inner.allreduce_(tensors, op, names)
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        self.calls.append(("broadcast", len(tensors)))
+        self.inner.broadcast_(tensors, src)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        self.calls.append(("allgather_object", 1))
+        return self.inner.allgather_object(obj)
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+    def shutdown(self) -> None:
+        pass

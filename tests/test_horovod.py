@@ -83,7 +83,7 @@ def grouped(groups_by_name: bool) -> dict[str, Any]:
     (b * grad_b).sum().backward()
     (c * pd.rank()).sum().backward()
     optim([a, b, c])
-    return {"a": a.grad, "b": b.grad, "c": c.grad, "buckets": len(optim._averager._plan)}
+    return {"a": a.grad, "b": b.grad, "c": c.grad, "buckets": len(optim._averager.buckets)}
 
 
 def seed_usage_example(steps: int) -> dict[str, Any]:

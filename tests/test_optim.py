@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import pyro
 import pytest
@@ -13,10 +12,8 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal, init_to_sample
 
 import pyro_distributed as pd
-from pyro_distributed.engines import Engine
-from pyro_distributed.engines.base import ReduceOp
 
-from .harness import run_workers
+from .harness import CountingEngine, run_workers
 from .models import (
     bayesian_regression,
     empty_guide,
@@ -212,46 +209,11 @@ def test_shape_mismatch_names_param_and_shapes() -> None:
 # --- collectives per step -----------------------------------------------------------------
 
 
-class CountingEngine(Engine):
-    """Forwards every collective to a real engine and records what it sent."""
-
-    name = "counting"
-
-    def __init__(self, inner: Engine) -> None:
-        super().__init__(inner.timeout)
-        self.inner = inner
-        self.calls: list[tuple[str, int]] = []
-
-    rank = property(lambda self: self.inner.rank)  # type: ignore[assignment]
-    local_rank = property(lambda self: self.inner.local_rank)  # type: ignore[assignment]
-    world_size = property(lambda self: self.inner.world_size)  # type: ignore[assignment]
-
-    def allreduce_(
-        self, tensors: Sequence[torch.Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
-    ) -> None:
-        self.calls.append((f"allreduce_{op}", len(tensors)))
-        self.inner.allreduce_(tensors, op, names)
-
-    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
-        self.calls.append(("broadcast", len(tensors)))
-        self.inner.broadcast_(tensors, src)
-
-    def allgather_object(self, obj: Any) -> list[Any]:
-        self.calls.append(("allgather_object", 1))
-        return self.inner.allgather_object(obj)
-
-    def barrier(self) -> None:
-        self.inner.barrier()
-
-    def shutdown(self) -> None:
-        pass
-
-
 def _count_collectives(num_params: int, bucket_cap_mb: float) -> list[list[tuple[str, int]]]:
     engine = CountingEngine(pd.current_engine())
     params = [pyro.param(f"p{i:03d}", torch.zeros(10)).unconstrained() for i in range(num_params)]
     optim = pd.DistributedOptimizer(
-        pyro.optim.SGD({"lr": 0.1}), engine=engine, bucket_cap_mb=bucket_cap_mb
+        pyro.optim.SGD({"lr": 0.1}), engine=engine, bucket_cap_mb=bucket_cap_mb, overlap=False
     )
     per_step = []
     for _ in range(3):

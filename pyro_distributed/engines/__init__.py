@@ -11,9 +11,16 @@ from __future__ import annotations
 import importlib
 from datetime import timedelta
 
-from .base import DEFAULT_TIMEOUT, Engine
+from .base import DEFAULT_TIMEOUT, Engine, Pending
 
-__all__ = ["DEFAULT_TIMEOUT", "ENGINE_NAMES", "Engine", "create_engine", "detect_engine"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "ENGINE_NAMES",
+    "Engine",
+    "Pending",
+    "create_engine",
+    "detect_engine",
+]
 
 # name -> (module, class). Order matters for "auto": the first launcher found wins.
 _ENGINES: dict[str, tuple[str, str]] = {

@@ -8,7 +8,10 @@ about Pyro (param-store names, optimizers, plates) lives above it, in
 one module beside this one and one line in :mod:`pyro_distributed.engines`.
 
 Collectives are blocking: when one returns, its result is in place on this
-worker. They must be called in the same order on every worker. An engine turns
+worker. They must be called in the same order on every worker; the one
+exception, :meth:`Engine.allreduce_async_`, returns a :class:`Pending` to
+wait on, so that gradients can travel while backward is still running. An
+engine turns
 its transport's failures (a peer died, a time-out) into
 :class:`~pyro_distributed.PyroDistributedError`, naming the collective.
 """
@@ -25,7 +28,7 @@ from torch import Tensor
 
 from ..errors import PyroDistributedError
 
-__all__ = ["DEFAULT_TIMEOUT", "Engine", "ReduceOp"]
+__all__ = ["DEFAULT_TIMEOUT", "Engine", "Pending", "ReduceOp"]
 
 #: How long any collective may block before the workers give up. Long enough
 #: for a slow first step, short enough that a lost worker costs a minute and
@@ -33,6 +36,19 @@ __all__ = ["DEFAULT_TIMEOUT", "Engine", "ReduceOp"]
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 
 ReduceOp = Literal["sum", "mean", "max"]
+
+
+class Pending(abc.ABC):
+    """A collective that was started and has not necessarily finished."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Block until the result is in place (bounded by the engine's time-out)."""
+
+
+class _Finished(Pending):
+    def wait(self) -> None:
+        pass
 
 
 class Engine(abc.ABC):
@@ -100,6 +116,26 @@ class Engine(abc.ABC):
         call costs one round trip, not one per tensor. ``names``, if given,
         name the collectives for engines that match tensors by name.
         """
+
+    def allreduce_async_(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Pending:
+        """Start reducing ``tensor`` in place; the result is there after ``wait()``.
+
+        Started collectives still pair up across workers in the order they
+        were started (or, for engines that match by name, by ``name``). This
+        default finishes at once; engines that can overlap override it.
+        """
+        self.allreduce_([tensor], op, [name] if name else ())
+        return _Finished()
+
+    def open_channel(self) -> Engine:
+        """An engine on the same workers whose collectives pair up independently of this one's.
+
+        Collectives started from backward hooks go through a channel, so that
+        they can never be paired with a collective that some other code
+        issues on this engine meanwhile. Opening one is itself a collective.
+        Engines that pair collectives by name return themselves.
+        """
+        return self
 
     @abc.abstractmethod
     def broadcast_(self, tensors: Sequence[Tensor], src: int = 0) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import DEFAULT_TIMEOUT, Engine, ReduceOp
+from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
 
 __all__ = ["HorovodEngine", "import_horovod"]
 
@@ -40,6 +40,15 @@ def import_horovod() -> ModuleType:
         return importlib.import_module("horovod.torch")
     except ImportError as exc:
         raise ImportError(INSTALL_HINT) from exc
+
+
+class _HorovodPending(Pending):
+    def __init__(self, engine: HorovodEngine, handle: Any, what: str) -> None:
+        self._engine, self._handle, self._what = engine, handle, what
+
+    def wait(self) -> None:
+        with self._engine._collective(self._what):
+            self._engine.hvd.synchronize(self._handle)
 
 
 class HorovodEngine(Engine):
@@ -122,6 +131,18 @@ class HorovodEngine(Engine):
             ]
             for handle in handles:
                 self.hvd.synchronize(handle)
+
+    def allreduce_async_(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Pending:
+        # Horovod pairs collectives by name, so no separate channel is needed.
+        if op not in self._ops:
+            raise ValueError(f"the horovod engine has no reduction {op!r}")
+        name = name or self._name(op)
+        what = f"allreduce ({op}) of {name}"
+        with self._collective(what):
+            handle = self.hvd.allreduce_async_(
+                tensor, name=name, op=self._ops[op], process_set=self._process_set
+            )
+        return _HorovodPending(self, handle, what)
 
     def broadcast_(self, tensors: Sequence[Tensor], src: int = 0) -> None:
         with self._collective(f"broadcast from worker {src} of {len(tensors)} tensor(s)"):

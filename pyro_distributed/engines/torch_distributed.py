@@ -28,13 +28,33 @@ from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous
 
 from ..errors import PyroDistributedError
-from .base import DEFAULT_TIMEOUT, Engine, ReduceOp
+from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
 
 __all__ = ["TorchEngine"]
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class _Health:
+    """Whether any collective of an engine or its channels has failed."""
+
+    failed = False
+
+
+class _TorchPending(Pending):
+    def __init__(
+        self, engine: TorchEngine, work: Any, what: str, tensor: Tensor, divisor: int
+    ) -> None:
+        self._engine, self._work, self._what = engine, work, what
+        self._tensor, self._divisor = tensor, divisor
+
+    def wait(self) -> None:
+        with self._engine._collective(self._what):
+            self._work.wait(self._engine.timeout)
+        if self._divisor != 1:
+            self._tensor.div_(self._divisor)
 
 
 def _alive(pid: int) -> bool:
@@ -84,8 +104,10 @@ class TorchEngine(Engine):
         self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
         self._backend = str(dist.get_backend())
         self._peers: list[tuple[str, int]] = []
-        self._failed = False
+        # Shared with channels: a failure on any of them skips shutdown's barrier.
+        self._health = _Health()
         self._cpu_group = self._group_for_cpu_tensors()
+        self._cuda_group: Any = None  # the default group, when it has NCCL
         # Where every worker lives, to name the lost ones when a collective fails.
         self._peers = self.allgather_object((socket.gethostname(), os.getpid()))
 
@@ -143,7 +165,7 @@ class TorchEngine(Engine):
         if device == "cpu":
             return self._cpu_group
         if device == "cuda" and "nccl" in self._backend:
-            return None
+            return self._cuda_group
         raise PyroDistributedError(
             f"a {device} tensor cannot travel on this process group (backend "
             f"{self._backend!r}, which carries CPU tensors only). Keep parameters on the "
@@ -167,7 +189,7 @@ class TorchEngine(Engine):
             time.sleep(0.1)
 
     def _diagnosis(self) -> str:
-        self._failed = True
+        self._health.failed = True
         lost = self.lost_workers()
         if not lost:
             return super()._diagnosis()
@@ -189,6 +211,27 @@ class TorchEngine(Engine):
             for t in tensors:
                 t.div_(self._world_size)
 
+    def allreduce_async_(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Pending:
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"the torch engine has no reduction {op!r}")
+        what = f"allreduce ({op}) of {name or 'a tensor'}"
+        with self._collective(what):
+            work = dist.all_reduce(
+                tensor, op=_REDUCE_OPS[op], group=self._group(tensor), async_op=True
+            )
+        divisor = self._world_size if op == "mean" else 1
+        return _TorchPending(self, work, what, tensor, divisor)
+
+    def open_channel(self) -> TorchEngine:
+        """The same workers over new process groups (made by every worker, in the same order)."""
+        channel = TorchEngine.__new__(TorchEngine)
+        channel.__dict__.update(self.__dict__, _owns_group=False)
+        with self._collective("creating a process group"):
+            channel._cpu_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            if "nccl" in self._backend:
+                channel._cuda_group = dist.new_group(backend="nccl", timeout=self._timeout)
+        return channel
+
     def broadcast_(self, tensors: Sequence[Tensor], src: int = 0) -> None:
         with self._collective(f"broadcast from worker {src} of {len(tensors)} tensor(s)"):
             works = [
@@ -206,11 +249,10 @@ class TorchEngine(Engine):
     def barrier(self) -> None:
         with self._collective("barrier"):
             # monitored_barrier names the workers that did not arrive; it
-            # exists for gloo only.
-            if self._cpu_group is None:
-                dist.monitored_barrier(timeout=self._timeout, wait_all_ranks=True)
-            else:
-                dist.barrier()
+            # needs gloo, which the CPU group always has.
+            dist.monitored_barrier(
+                group=self._cpu_group, timeout=self._timeout, wait_all_ranks=True
+            )
 
     def shutdown(self) -> None:
         if not (self._owns_group and dist.is_initialized()):
@@ -221,7 +263,7 @@ class TorchEngine(Engine):
         # is dying of an uncaught exception, leave at once: peers then see the
         # connection drop instead of waiting.
         dying = hasattr(sys, "last_value") or sys.exc_info()[0] is not None
-        if not (self._failed or dying):
+        if not (self._health.failed or dying):
             with suppress(RuntimeError):
                 dist.monitored_barrier(timeout=min(self._timeout, timedelta(seconds=10)))
         dist.destroy_process_group()

@@ -1,0 +1,243 @@
+"""Averaging gradients while backward is still running.
+
+Without overlap a step computes every gradient and only then sends them. Here
+a hook on each parameter notices when its gradient is complete, and a bucket
+of the :class:`~pyro_distributed.reduce.GradientAverager` goes on the wire as
+soon as all of its members are, while backward computes the rest.
+
+What keeps this exact, and keeps workers' collectives paired:
+
+* The buckets are the averager's own: same members, same bytes on the wire,
+  so an overlapped step is bitwise equal to an unoverlapped one.
+* Buckets start in one fixed order, the same on every worker (worker 0's
+  observed order of readiness, agreed once): a bucket is sent only after the
+  buckets before it. Every worker sends all of them each step, during
+  backward or at the optimizer call, so every worker starts the same
+  collectives in the same order.
+* They travel on a channel of their own (:meth:`Engine.open_channel`), so a
+  collective that other code issues meanwhile (another optimizer, a user's
+  ``all_mean``) cannot pair with them.
+* A bucket is sent once each member has received as many gradient
+  accumulations as it did in the previous step, so ELBOs that run several
+  backward passes per step (one per particle) are learned, not broken.
+* If a gradient changes after its bucket was sent (one more backward pass,
+  or code that edits ``.grad``), the bucket is stale. Stale flags ride in the
+  agreement header, so every worker learns of every stale bucket and all of
+  them send it again.
+* If a step's parameters are not the planned ones (new parameters, or
+  workers that used different ones), the early results are dropped and the
+  step runs unoverlapped.
+
+Life cycle: when the agreed parameters change, hooks are installed; the next
+step runs unoverlapped while it records the order in which buckets became
+ready; from the step after that on, buckets go out during backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+
+from .engines import Engine, Pending
+from .reduce import GradientAverager
+
+__all__ = ["BackwardOverlap"]
+
+Phase = Literal["idle", "observing", "armed"]
+
+
+@dataclass
+class _Sent:
+    """A bucket on the wire, and what its members' gradients were when it left."""
+
+    wire: Tensor
+    context: Any
+    pending: Pending
+    grads: list[tuple[Tensor | None, int]]
+
+
+def _grad_stamp(param: Tensor) -> tuple[Tensor | None, int]:
+    grad = param.grad
+    return grad, (grad._version if grad is not None else -1)
+
+
+def _remove(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+class BackwardOverlap:
+    """Sends the averager's buckets from backward hooks; see the module docstring."""
+
+    def __init__(self, engine: Engine, averager: GradientAverager) -> None:
+        self._engine = engine
+        self._averager = averager
+        self._channel: Engine | None = None
+        self._phase: Phase = "idle"
+        self._names: tuple[str, ...] = ()
+        self._params: tuple[Tensor, ...] = ()
+        self._hooks: list[RemovableHandle] = []
+        # Hooks outlive this object on the parameters; remove them with it.
+        weakref.finalize(self, _remove, self._hooks)
+        self._bucket_of: list[int] = []  # parameter index -> bucket index
+        self._order: list[int] = []  # the agreed order in which buckets are sent
+        self._expected: list[int] = []  # accumulations per parameter per step
+        self._fires: list[int] = []  # accumulations per parameter so far this step
+        self._waiting: list[int] = []  # per bucket: members still short of their expectation
+        self._observed: list[int] = []  # buckets in the order they became ready
+        self._next = 0  # position in _order of the next bucket to send
+        self._sent: dict[int, _Sent] = {}
+
+    @property
+    def armed(self) -> bool:
+        """Whether buckets go out during backward (the same on every worker)."""
+        return self._phase == "armed"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The parameters the hooks watch, sorted by param-store name."""
+        return self._names
+
+    def reset(self) -> None:
+        """Remove the hooks and forget the plan (after a checkpoint was loaded)."""
+        self._drain()
+        _remove(self._hooks)
+        self._phase, self._names, self._params = "idle", (), ()
+        self._expected, self._fires = [], []
+
+    def after_step(self, names: Sequence[str], params: Sequence[Tensor]) -> None:
+        """Prepare the next step; called on every worker after every step, with its parameters."""
+        if tuple(names) != self._names or any(
+            a is not b for a, b in zip(params, self._params, strict=True)
+        ):
+            self._install(tuple(names), tuple(params))
+        elif self._phase == "observing":
+            self._arm()
+        self._new_step()
+
+    def send_remaining(self) -> None:
+        """Send every bucket that backward did not, in the agreed order."""
+        while self._next < len(self._order):
+            self._send(self._order[self._next])
+            self._next += 1
+
+    def stale_flags(self) -> list[int]:
+        """Per bucket, 1 if a member's gradient changed after the bucket was sent."""
+        return [int(self._is_stale(index)) for index in range(len(self._averager.buckets))]
+
+    def _is_stale(self, index: int) -> bool:
+        members = self._averager.buckets[index].members
+        sent = self._sent[index]
+        return any(
+            _grad_stamp(self._params[member]) != stamp
+            for member, stamp in zip(members, sent.grads, strict=True)
+        )
+
+    def finish(self, resend: Sequence[int]) -> bool:
+        """Wait for every bucket, send again those flagged in ``resend`` (by any worker),
+        and write the averages into ``.grad``; return whether all are finite."""
+        again = [index for index in self._order if resend[index]]
+        for sent in self._sent.values():
+            sent.pending.wait()
+        for index in again:
+            self._send(index)
+        finite = True
+        for index in range(len(self._averager.buckets)):
+            sent = self._sent[index]
+            if index in again:
+                sent.pending.wait()
+            flat = self._averager.decode(sent.wire, sent.context)
+            finite &= self._averager.unpack(index, flat)
+        self._sent.clear()
+        return finite
+
+    def discard(self) -> None:
+        """Drop this step's early results (the step runs unoverlapped instead)."""
+        self._drain()
+
+    def _drain(self) -> None:
+        for sent in self._sent.values():
+            sent.pending.wait()
+        self._sent.clear()
+
+    def _install(self, names: tuple[str, ...], params: tuple[Tensor, ...]) -> None:
+        _remove(self._hooks)
+        buckets = self._averager.plan(names, params)
+        self._names, self._params = names, params
+        self._bucket_of = [0] * len(params)
+        for index, bucket in enumerate(buckets):
+            for member in bucket.members:
+                self._bucket_of[member] = index
+        self._expected = [1] * len(params)
+        self._fires = [0] * len(params)
+        self._order = []
+        ref = weakref.ref(self)
+        self._hooks.extend(
+            param.register_post_accumulate_grad_hook(_hook(ref, index))  # type: ignore[no-untyped-call]
+            for index, param in enumerate(params)
+        )
+        self._phase = "observing"
+
+    def _arm(self) -> None:
+        """Adopt worker 0's order of readiness; a collective, made by every worker at once."""
+        count = len(self._averager.buckets)
+        unseen = [index for index in range(count) if index not in self._observed]
+        order = torch.tensor(self._observed + unseen, dtype=torch.int64)
+        self._engine.broadcast_([order], src=0)
+        self._order = order.tolist()
+        if self._channel is None:
+            self._channel = self._engine.open_channel()
+        self._phase = "armed"
+
+    def _new_step(self) -> None:
+        # A parameter that got no gradient this step keeps its old expectation.
+        self._expected = [f or e for f, e in zip(self._fires, self._expected, strict=True)]
+        self._fires = [0] * len(self._params)
+        buckets = self._averager.plan(self._names, self._params) if self._params else []
+        self._waiting = [len(bucket.members) for bucket in buckets]
+        self._observed = []
+        self._next = 0
+        self._sent = {}
+
+    def accumulated(self, index: int) -> None:
+        """Parameter ``index`` received a gradient (called from its hook)."""
+        self._fires[index] += 1
+        if self._fires[index] != self._expected[index]:
+            return
+        bucket = self._bucket_of[index]
+        self._waiting[bucket] -= 1
+        if self._waiting[bucket]:
+            return
+        if self._phase == "observing":
+            self._observed.append(bucket)
+            return
+        order = self._order
+        while self._next < len(order) and not self._waiting[order[self._next]]:
+            self._send(order[self._next])
+            self._next += 1
+
+    def _send(self, index: int) -> None:
+        assert self._channel is not None
+        with torch.no_grad():
+            flat = self._averager.pack(index)
+            grads = [_grad_stamp(self._params[i]) for i in self._averager.buckets[index].members]
+            wire, context = self._averager.encode(flat)
+        name = self._averager.bucket_names[index]
+        pending = self._channel.allreduce_async_(wire, "sum", name)
+        self._sent[index] = _Sent(wire, context, pending, grads)
+
+
+def _hook(owner: weakref.ref[BackwardOverlap], index: int) -> Callable[[Tensor], None]:
+    def on_accumulated(_: Tensor) -> None:
+        overlap = owner()
+        if overlap is not None:
+            overlap.accumulated(index)
+
+    return on_accumulated

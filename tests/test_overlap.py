@@ -1,0 +1,163 @@
+"""Averaging during backward: buckets really leave early, and nothing changes but the timing.
+
+Each scenario trains the same workers twice, without and with overlap, from
+the same seeds, and the parameters must come out bitwise equal. The scenarios
+are the ones that could trip an early send: several backward passes per step,
+clipping after averaging, workers that use different parameters, and
+compression.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+from torch.distributions import constraints
+
+import pyro_distributed as pd
+
+from .harness import CountingEngine, run_workers
+from .models import param_values, regression_data
+
+WEIGHTS = 24
+DIM = 16
+# 24 weights of 16 floats (64 bytes each): a 256-byte cap makes several buckets.
+SMALL_CAP_MB = 256 / 2**20
+STEPS = 8
+
+
+def wide_model(x: torch.Tensor, y: torch.Tensor, skip: frozenset[int]) -> None:
+    """A latent offset plus many weight vectors; weights in ``skip`` sit this step out."""
+    mean = pyro.sample("z", dist.Normal(0.0, 1.0))
+    for i in range(WEIGHTS):
+        if i not in skip:
+            mean = mean + x @ pyro.param(f"w{i:02d}", torch.full((DIM,), 0.01 * (i + 1)))
+    with pyro.plate("data", len(y)):
+        pyro.sample("obs", dist.Normal(mean, 1.0), obs=y)
+
+
+def wide_guide(x: torch.Tensor, y: torch.Tensor, skip: frozenset[int]) -> None:
+    loc = pyro.param("z_loc", torch.tensor(0.0))
+    scale = pyro.param("z_scale", torch.tensor(1.0), constraint=constraints.positive)
+    pyro.sample("z", dist.Normal(loc, scale))
+
+
+def skipped(scenario: str, step: int) -> frozenset[int]:
+    """Weights a worker leaves out at ``step``: only in the "differing" scenario."""
+    if scenario != "differing" or step == 0:
+        return frozenset()
+    if step % 3 == 0:
+        return frozenset({0, 5}) if pd.rank() == 1 else frozenset()
+    if step % 4 == 0:
+        return frozenset({7})  # nobody uses it this step
+    return frozenset()
+
+
+def train(scenario: str, overlap: bool) -> tuple[dict[str, torch.Tensor], bool]:
+    pyro.clear_param_store()
+    pyro.set_rng_seed(100 + pd.rank())
+    x, y = regression_data(pd.rank(), 16, dim=DIM)
+    base = (
+        pyro.optim.ClippedAdam({"lr": 0.05, "clip_norm": 0.5})
+        if scenario == "clipped"
+        else pyro.optim.Adam({"lr": 0.05})
+    )
+    optim = pd.DistributedOptimizer(
+        base,
+        bucket_cap_mb=SMALL_CAP_MB,
+        overlap=overlap,
+        compression="fp16" if scenario == "fp16" else "none",
+    )
+    # Three particles, not vectorised: three backward passes per step.
+    elbo = Trace_ELBO(num_particles=3 if scenario == "particles" else 1)
+    svi = SVI(wide_model, wide_guide, optim, elbo)
+    for step in range(STEPS):
+        svi.step(x, y, skipped(scenario, step))
+    assert optim._overlap is not None or not overlap
+    armed = optim._overlap is not None and optim._overlap.armed
+    return param_values(), armed
+
+
+def _both_ways(scenario: str) -> dict[str, Any]:
+    without, _ = train(scenario, overlap=False)
+    with_overlap, armed = train(scenario, overlap=True)
+    return {"without": without, "with": with_overlap, "armed": armed}
+
+
+@pytest.mark.parametrize("scenario", ["plain", "particles", "clipped", "differing", "fp16"])
+def test_overlap_is_bitwise_equal_to_no_overlap(scenario: str) -> None:
+    results = run_workers(_both_ways, scenario)
+    for rank, result in enumerate(results):
+        assert result["armed"], f"worker {rank} never overlapped"
+        assert result["with"].keys() == result["without"].keys()
+        for name, value in result["without"].items():
+            assert torch.equal(result["with"][name], value), (scenario, rank, name)
+            assert torch.equal(value, results[0]["without"][name]), (scenario, rank, name)
+    # The runs really trained: the weights moved from their initial values.
+    assert not torch.equal(results[0]["with"]["w00"], torch.full((DIM,), 0.01))
+
+
+def _collectives_by_phase(steps: int) -> list[dict[str, list[tuple[str, int]]]]:
+    engine = CountingEngine(pd.current_engine())
+    params = [pyro.param(f"p{i:03d}", torch.zeros(10)).unconstrained() for i in range(400)]
+    # 400 x 10 floats x 4 bytes = 16000 bytes; a 4000-byte cap gives 4 buckets.
+    optim = pd.DistributedOptimizer(
+        pyro.optim.SGD({"lr": 0.1}), engine=engine, bucket_cap_mb=4000 / 2**20
+    )
+    phases = []
+    for _ in range(steps):
+        engine.calls.clear()
+        sum(p.sum() for p in params).backward()  # type: ignore[union-attr]
+        in_backward = list(engine.calls)
+        engine.calls.clear()
+        optim(set(params))
+        phases.append({"backward": in_backward, "call": list(engine.calls)})
+    return phases
+
+
+def test_buckets_leave_during_backward_from_the_third_step() -> None:
+    first, second, third, fourth = run_workers(_collectives_by_phase, 4)[0]
+    # Step 1 makes the plan (and broadcasts the new parameters); hooks go in.
+    assert first["backward"] == []
+    assert first["call"] == [("allreduce_max", 1), ("broadcast", 4), ("allreduce_sum", 4)]
+    # Step 2 still averages at the call, then agrees on worker 0's order.
+    assert second["backward"] == []
+    assert second["call"] == [("allreduce_max", 1), ("allreduce_sum", 4), ("broadcast", 1)]
+    # From step 3 on, all four buckets leave during backward; the call only
+    # checks the header (with one stale flag per bucket riding along).
+    for step in (third, fourth):
+        assert step["backward"] == [("allreduce_sum", 1)] * 4
+        assert step["call"] == [("allreduce_max", 1)]
+
+
+def _other_collective_between_backward_and_step() -> dict[str, Any]:
+    """Worker 0's buckets all leave in backward; worker 1 holds one back (a weight
+    it does not use) until the call. Both run an all_mean in between, which must
+    not pair with a bucket."""
+    x, y = regression_data(pd.rank(), 16, dim=DIM)
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.05}), bucket_cap_mb=SMALL_CAP_MB)
+    params: set[torch.Tensor] = set()
+    means = []
+    for step in range(6):
+        skip = frozenset({3}) if pd.rank() == 1 and step >= 3 else frozenset()
+        with pyro.poutine.trace(param_only=True) as capture:
+            loss = Trace_ELBO().differentiable_loss(wide_model, wide_guide, x, y, skip)
+        loss.backward()
+        means.append(pd.all_mean(torch.tensor(float(pd.rank() + step))))
+        params = {site["value"].unconstrained() for site in capture.trace.nodes.values()}
+        optim(params)
+        pyro.infer.util.zero_grads(params)
+    return {"means": means, "params": param_values(), "armed": optim._overlap.armed}  # type: ignore[union-attr]
+
+
+def test_a_collective_between_backward_and_step_does_not_pair_with_a_bucket() -> None:
+    results = run_workers(_other_collective_between_backward_and_step)
+    for step, mean in enumerate(results[0]["means"]):
+        assert float(mean) == step + 0.5
+    assert results[0]["armed"] and results[1]["armed"]
+    for name, value in results[0]["params"].items():
+        assert torch.equal(results[1]["params"][name], value), name
