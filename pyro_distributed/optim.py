@@ -31,7 +31,7 @@ from .compression import Compression, compressor
 from .consistency import assert_in_sync
 from .engines import Engine
 from .errors import PyroDistributedError
-from .multi_tensor import GroupedStepper, grouping_refusal
+from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .overlap import BackwardOverlap
 from .reduce import GradientAverager, Reduction
 
@@ -65,8 +65,11 @@ class DistributedOptimizer(PyroOptim):
         summation. The error bound is in :mod:`pyro_distributed.compression`.
     :param multi_tensor: step all parameters that share hyper-parameters with
         one multi-tensor (``foreach``) torch optimizer instead of one optimizer
-        per parameter (:mod:`pyro_distributed.multi_tensor`). For plain
-        ``PyroOptim`` wrappers of torch optimizers, without ``clip_args``.
+        per parameter (:mod:`pyro_distributed.multi_tensor`). ``None``
+        (default): whenever that is bitwise exact, which is for plain
+        ``pyro.optim`` Adam, AdamW, SGD, RMSprop, Adagrad and Adamax without
+        ``clip_args``. ``True`` also groups NAdam and RAdam (rounding differs
+        slightly); ``False`` never groups.
     :param overlap: start averaging gradients during backward, as soon as a
         bucket's gradients are complete (:mod:`pyro_distributed.overlap`).
         Bitwise the same results as without; on by default.
@@ -120,7 +123,7 @@ class DistributedOptimizer(PyroOptim):
         nonfinite: Literal["skip", "raise"] = "skip",
         check_every: int | None = None,
         compression: Compression = "none",
-        multi_tensor: bool = False,
+        multi_tensor: bool | None = None,
         overlap: bool = True,
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
@@ -142,13 +145,15 @@ class DistributedOptimizer(PyroOptim):
         reduction = Reduction(compression=compressor(compression))
         running = runtime.init(engine) if isinstance(engine, str) else engine
         self._configure(
-            pyro_optim, running, bucket_cap_mb, reduction, nonfinite, check_every, overlap
+            pyro_optim,
+            running,
+            bucket_cap_mb,
+            reduction,
+            nonfinite,
+            check_every,
+            overlap,
+            multi_tensor,
         )
-        if multi_tensor:
-            refusal = grouping_refusal(pyro_optim)
-            if refusal is not None:
-                raise ValueError(f"multi_tensor=True is not available: {refusal}")
-            self._stepper = GroupedStepper(pyro_optim)
 
     def _configure(
         self,
@@ -159,6 +164,7 @@ class DistributedOptimizer(PyroOptim):
         nonfinite: Literal["skip", "raise"] = "skip",
         check_every: int | None = None,
         overlap: bool = True,
+        multi_tensor: bool | None = None,
     ) -> None:
         """Set up the wrapper; shared by every constructor of this family."""
         if not isinstance(pyro_optim, PyroOptim):
@@ -175,7 +181,12 @@ class DistributedOptimizer(PyroOptim):
         self.engine = engine
         self.nonfinite = nonfinite
         self.check_every = check_every
-        self._stepper = None
+        if multi_tensor:
+            refusal = grouping_refusal(pyro_optim)
+            if refusal is not None:
+                raise ValueError(f"multi_tensor=True is not available: {refusal}")
+        grouped = multi_tensor or (multi_tensor is None and groups_exactly(pyro_optim))
+        self._stepper = GroupedStepper(pyro_optim) if grouped else None
         #: How many times the optimizer was called (saved in checkpoints).
         self.num_steps = 0
         cap_bytes = max(1, int(bucket_cap_mb * 2**20))
@@ -319,8 +330,6 @@ class DistributedOptimizer(PyroOptim):
 
     def get_state(self) -> dict[str, Any]:
         """The optimizer state, keyed by param-store name, in PyroOptim's format."""
-        if self._stepper is not None:
-            return self._stepper.get_state()
         return self.wrapped.get_state()
 
     def set_state(self, state_dict: dict[str, Any]) -> None:
