@@ -8,7 +8,9 @@ fused buffers would not line up and a collective would hang or mix values.
 The common case costs one tiny collective per step: every worker hashes the
 sorted names it was given, plus name, shape and dtype of the parameters it
 has never synchronised before, and a max-reduction of ``(h, -h)`` tells every
-worker at once whether all hashes are equal. Only when they differ do the
+worker at once whether all hashes are equal. With overlap the hash costs no
+collective of its own: it rides, as :func:`digest_floats`, in the sum of the
+last gradient bucket (:mod:`pyro_distributed.overlap`). Only when they differ do the
 workers exchange their full lists (one object all-gather), and then all of
 them reach the same verdict from the same data:
 
@@ -39,7 +41,21 @@ from .engines import Engine
 from .errors import PyroDistributedError
 from .reduce import broadcast_values_
 
-__all__ = ["ParameterAgreement", "Proposal", "Settlement", "StepParams"]
+__all__ = [
+    "DIGEST_FLOATS",
+    "MAX_SUMMED_WORKERS",
+    "ParameterAgreement",
+    "Proposal",
+    "Settlement",
+    "StepParams",
+    "digest_floats",
+    "digests_equal",
+]
+
+#: How many floats :func:`digest_floats` makes of a digest.
+DIGEST_FLOATS = 16
+#: The most workers whose summed digest floats stay exact in float32 (2**24).
+MAX_SUMMED_WORKERS = 2**24 // 255**2
 
 Spec = tuple[tuple[int, ...], str]  # shape, dtype
 
@@ -87,6 +103,29 @@ def _digest(names: Sequence[str], new_specs: Sequence[tuple[str, Spec]]) -> int:
     return int.from_bytes(hasher.digest(), "little") >> 2
 
 
+def digest_floats(digest: int) -> list[float]:
+    """A digest as floats that can travel in a *sum* and still show disagreement.
+
+    Each of its 8 bytes b goes with b**2. Summed over W workers, every byte
+    satisfies W * sum(b**2) == sum(b)**2 exactly when all workers sent the
+    same byte (equality in Cauchy-Schwarz), and every worker computes the
+    same verdict from the same sums. Sums stay exact integers in float32 for
+    up to :data:`MAX_SUMMED_WORKERS` workers.
+    """
+    chunks = [(digest >> (8 * i)) & 0xFF for i in range(8)]
+    return [float(c) for c in chunks] + [float(c * c) for c in chunks]
+
+
+def digests_equal(sums: Sequence[float], world_size: int) -> bool:
+    """Whether every worker's :func:`digest_floats` were equal, from their sums."""
+    half = DIGEST_FLOATS // 2
+    totals = [round(value) for value in sums[:DIGEST_FLOATS]]
+    return all(
+        world_size * square == total * total
+        for total, square in zip(totals[:half], totals[half:], strict=True)
+    )
+
+
 def _workers(ranks: Iterable[int]) -> str:
     ranks = sorted(ranks)
     return ("worker " if len(ranks) == 1 else "workers ") + ", ".join(map(str, ranks))
@@ -126,6 +165,12 @@ class ParameterAgreement:
         new = [name for name in names if self._synced.get(name) is not given[name]]
         digest = _digest(names, [(name, _spec(given[name])) for name in new])
         return Proposal(tuple(names), given, tuple(new), digest)
+
+    def accept(self, proposal: Proposal) -> StepParams:
+        """The step, when every worker is known to have proposed it and nothing is new."""
+        assert not proposal.new, "new parameters must be synchronised through settle()"
+        tensors = tuple(proposal.given[name] for name in proposal.names)
+        return StepParams(proposal.names, tensors, frozenset())
 
     def settle(self, proposal: Proposal, riders: Sequence[int] = ()) -> Settlement:
         """Agree on ``proposal`` with every worker; max-reduce ``riders`` on the way.

@@ -26,7 +26,14 @@ from pyro.optim import PyroOptim
 from torch import Tensor
 
 from . import runtime
-from .agreement import ParameterAgreement, StepParams
+from .agreement import (
+    DIGEST_FLOATS,
+    ParameterAgreement,
+    Proposal,
+    StepParams,
+    digest_floats,
+    digests_equal,
+)
 from .compression import Compression, compressor
 from .consistency import assert_in_sync
 from .engines import Engine
@@ -238,19 +245,33 @@ class DistributedOptimizer(PyroOptim):
             step = self._agreement.settle(proposal).step
             finite = self._averager.average_(step.names, step.tensors)
         else:
-            # Every bucket leaves before the header, on every worker alike;
-            # the header then says whether they held the right parameters.
-            overlap.send_remaining()
-            settlement = self._agreement.settle(proposal, overlap.stale_flags())
-            step = settlement.step
-            if settlement.unchanged and step.names == overlap.names:
-                finite = overlap.finish(resend=settlement.riders)
-            else:
-                overlap.discard()
-                finite = self._averager.average_(step.names, step.tensors)
+            step, finite = self._average_overlapped(proposal, overlap)
         if overlap is not None:
             overlap.after_step(step.names, step.tensors)
         return step, finite
+
+    def _average_overlapped(
+        self, proposal: Proposal, overlap: BackwardOverlap
+    ) -> tuple[StepParams, bool]:
+        # Every bucket leaves before the header, on every worker alike; the
+        # header then says whether they held the right parameters.
+        overlap.send_remaining()
+        stale = overlap.stale_flags()
+        if overlap.carrier is not None:
+            summed = overlap.send_carrier([*digest_floats(proposal.digest), *stale])
+            unanimous = digests_equal(summed, self.engine.world_size)
+            resend = [int(flag > 0) for flag in summed[DIGEST_FLOATS:]]
+            if unanimous and not proposal.new and proposal.names == overlap.names:
+                return self._agreement.accept(proposal), overlap.finish(resend)
+            overlap.discard()
+            step = self._agreement.settle(proposal).step
+        else:
+            settlement = self._agreement.settle(proposal, stale)
+            step = settlement.step
+            if settlement.unchanged and step.names == overlap.names:
+                return step, overlap.finish(resend=settlement.riders)
+            overlap.discard()
+        return step, self._averager.average_(step.names, step.tensors)
 
     def _step_wrapped(self, params: Iterable[Tensor], *args: Any, **kwargs: Any) -> None:
         if self._stepper is not None:

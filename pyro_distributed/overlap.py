@@ -24,6 +24,11 @@ What keeps this exact, and keeps workers' collectives paired:
   or code that edits ``.grad``), the bucket is stale. Stale flags ride in the
   agreement header, so every worker learns of every stale bucket and all of
   them send it again.
+* The last bucket in the order waits for the optimizer call and carries the
+  agreement header (:func:`~pyro_distributed.agreement.digest_floats`) and
+  the stale flags in its sum, so a step costs no collective beyond its
+  buckets. Where the sum is not exact (compression, Horovod's pre-division,
+  half-precision parameters), the header travels on its own instead.
 * If a step's parameters are not the planned ones (new parameters, or
   workers that used different ones), the early results are dropped and the
   step runs unoverlapped.
@@ -44,6 +49,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+from .agreement import MAX_SUMMED_WORKERS
 from .engines import Engine, Pending
 from .reduce import GradientAverager
 
@@ -58,8 +64,13 @@ class _Sent:
 
     wire: Tensor
     context: Any
-    pending: Pending
+    pending: Pending | None  # None once waited for
     grads: list[tuple[Tensor | None, int]]
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
 
 
 def _grad_stamp(param: Tensor) -> tuple[Tensor | None, int]:
@@ -88,6 +99,7 @@ class BackwardOverlap:
         weakref.finalize(self, _remove, self._hooks)
         self._bucket_of: list[int] = []  # parameter index -> bucket index
         self._order: list[int] = []  # the agreed order in which buckets are sent
+        self._carrier: int | None = None  # the bucket that carries the header, if any
         self._expected: list[int] = []  # accumulations per parameter per step
         self._fires: list[int] = []  # accumulations per parameter so far this step
         self._waiting: list[int] = []  # per bucket: members still short of their expectation
@@ -99,6 +111,11 @@ class BackwardOverlap:
     def armed(self) -> bool:
         """Whether buckets go out during backward (the same on every worker)."""
         return self._phase == "armed"
+
+    @property
+    def carrier(self) -> int | None:
+        """The bucket that carries the agreement header, or ``None`` if it travels alone."""
+        return self._carrier
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -123,8 +140,8 @@ class BackwardOverlap:
         self._new_step()
 
     def send_remaining(self) -> None:
-        """Send every bucket that backward did not, in the agreed order."""
-        while self._next < len(self._order):
+        """Send every bucket that backward did not, in the agreed order, but the carrier."""
+        while self._next < self._early:
             self._send(self._order[self._next])
             self._next += 1
 
@@ -132,7 +149,18 @@ class BackwardOverlap:
         """Per bucket, 1 if a member's gradient changed after the bucket was sent."""
         return [int(self._is_stale(index)) for index in range(len(self._averager.buckets))]
 
+    def send_carrier(self, header: Sequence[float]) -> list[float]:
+        """Send the carrier with ``header`` riding along; return the header summed
+        over workers (a collective, once per step, after :meth:`send_remaining`)."""
+        assert self._carrier is not None
+        self._send(self._carrier, header)
+        sent = self._sent[self._carrier]
+        sent.wait()
+        return sent.wire[-len(header) :].tolist() if header else []
+
     def _is_stale(self, index: int) -> bool:
+        if index == self._carrier:
+            return False  # packed at the call, after every backward pass
         members = self._averager.buckets[index].members
         sent = self._sent[index]
         return any(
@@ -145,14 +173,13 @@ class BackwardOverlap:
         and write the averages into ``.grad``; return whether all are finite."""
         again = [index for index in self._order if resend[index]]
         for sent in self._sent.values():
-            sent.pending.wait()
+            sent.wait()
         for index in again:
             self._send(index)
         finite = True
         for index in range(len(self._averager.buckets)):
             sent = self._sent[index]
-            if index in again:
-                sent.pending.wait()
+            sent.wait()
             flat = self._averager.decode(sent.wire, sent.context)
             finite &= self._averager.unpack(index, flat)
         self._sent.clear()
@@ -164,7 +191,7 @@ class BackwardOverlap:
 
     def _drain(self) -> None:
         for sent in self._sent.values():
-            sent.pending.wait()
+            sent.wait()
         self._sent.clear()
 
     def _install(self, names: tuple[str, ...], params: tuple[Tensor, ...]) -> None:
@@ -177,7 +204,7 @@ class BackwardOverlap:
                 self._bucket_of[member] = index
         self._expected = [1] * len(params)
         self._fires = [0] * len(params)
-        self._order = []
+        self._order, self._carrier = [], None
         ref = weakref.ref(self)
         self._hooks.extend(
             param.register_post_accumulate_grad_hook(_hook(ref, index))  # type: ignore[no-untyped-call]
@@ -192,6 +219,9 @@ class BackwardOverlap:
         order = torch.tensor(self._observed + unseen, dtype=torch.int64)
         self._engine.broadcast_([order], src=0)
         self._order = order.tolist()
+        last = self._order[-1]
+        exact = self._averager.sums_exactly(last) and self._engine.world_size <= MAX_SUMMED_WORKERS
+        self._carrier = last if exact else None
         if self._channel is None:
             self._channel = self._engine.open_channel()
         self._phase = "armed"
@@ -219,14 +249,19 @@ class BackwardOverlap:
             self._observed.append(bucket)
             return
         order = self._order
-        while self._next < len(order) and not self._waiting[order[self._next]]:
+        while self._next < self._early and not self._waiting[order[self._next]]:
             self._send(order[self._next])
             self._next += 1
 
-    def _send(self, index: int) -> None:
+    @property
+    def _early(self) -> int:
+        """How many buckets, from the start of the order, may leave before the call."""
+        return len(self._order) - (self._carrier is not None)
+
+    def _send(self, index: int, extra: Sequence[float] = ()) -> None:
         assert self._channel is not None
         with torch.no_grad():
-            flat = self._averager.pack(index)
+            flat = self._averager.pack(index, extra)
             grads = [_grad_stamp(self._params[i]) for i in self._averager.buckets[index].members]
             wire, context = self._averager.encode(flat)
         name = self._averager.bucket_names[index]

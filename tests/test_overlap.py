@@ -127,11 +127,11 @@ def test_buckets_leave_during_backward_from_the_third_step() -> None:
     # Step 2 still averages at the call, then agrees on worker 0's order.
     assert second["backward"] == []
     assert second["call"] == [("allreduce_max", 1), ("allreduce_sum", 4), ("broadcast", 1)]
-    # From step 3 on, all four buckets leave during backward; the call only
-    # checks the header (with one stale flag per bucket riding along).
+    # From step 3 on, three buckets leave during backward; the last waits for
+    # the call and carries the agreement header (and stale flags) in its sum.
     for step in (third, fourth):
-        assert step["backward"] == [("allreduce_sum", 1)] * 4
-        assert step["call"] == [("allreduce_max", 1)]
+        assert step["backward"] == [("allreduce_sum", 1)] * 3
+        assert step["call"] == [("allreduce_sum", 1)]
 
 
 def _other_collective_between_backward_and_step() -> dict[str, Any]:
@@ -161,3 +161,15 @@ def test_a_collective_between_backward_and_step_does_not_pair_with_a_bucket() ->
     assert results[0]["armed"] and results[1]["armed"]
     for name, value in results[0]["params"].items():
         assert torch.equal(results[1]["params"][name], value), name
+
+
+def test_summed_digests_show_any_disagreement() -> None:
+    def summed(*digests: int) -> list[float]:
+        columns = zip(*(pd.agreement.digest_floats(d) for d in digests), strict=True)
+        return [sum(column) for column in columns]
+
+    same = 0x1234_5678_9ABC_DEF0
+    assert pd.agreement.digests_equal(summed(same, same, same), 3)
+    # Bytes 1 and 3 against 2 and 2: equal sums, so only the squares tell.
+    assert not pd.agreement.digests_equal(summed(0x01, 0x03), 2)
+    assert not pd.agreement.digests_equal(summed(same, same, same ^ (1 << 61)), 3)
