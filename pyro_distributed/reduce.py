@@ -173,14 +173,26 @@ class GradientAverager:
             self._params = tuple(params)
         return self.buckets
 
-    def pack(self, index: int) -> Tensor:
-        """Bucket ``index`` as one flat tensor: its gradients, then its presence flags."""
+    def pack(self, index: int, extra: Sequence[float] = ()) -> Tensor:
+        """Bucket ``index`` as one flat tensor: its gradients, its presence flags,
+        then ``extra`` values that ride along (see :meth:`sums_exactly`)."""
         bucket = self.buckets[index]
         members = [self._params[i] for i in bucket.members]
-        flags = torch.tensor(
-            [p.grad is not None for p in members], dtype=bucket.dtype, device=bucket.device
+        tail = torch.tensor(
+            [float(p.grad is not None) for p in members] + list(extra),
+            dtype=bucket.dtype,
+            device=bucket.device,
         )
-        return torch.cat([*(_dense_grad(p).reshape(-1) for p in members), flags])
+        return torch.cat([*(_dense_grad(p).reshape(-1) for p in members), tail])
+
+    def sums_exactly(self, index: int) -> bool:
+        """Whether bucket ``index`` travels as a plain sum of float32 or float64 values,
+        unscaled and uncompressed, so that small integers in ``extra`` add up exactly."""
+        return (
+            self._reduction.compression is None
+            and self._scales(narrowed=False)[0] == 1.0
+            and self.buckets[index].dtype in (torch.float32, torch.float64)
+        )
 
     def encode(self, flat: Tensor) -> tuple[Tensor, Any]:
         """Scale (and compress) a packed bucket for the wire, where it is summed."""
@@ -205,12 +217,12 @@ class GradientAverager:
         """Point each member's ``.grad`` into the averaged ``flat``; return whether it is finite."""
         bucket = self.buckets[index]
         size = sum(bucket.numels)
-        present = (flat[size:] > 0).tolist()
+        present = (flat[size : size + len(bucket.members)] > 0).tolist()
         chunks = torch.split(flat[:size], bucket.numels)
         for slot, (member, chunk) in enumerate(zip(bucket.members, chunks, strict=True)):
             param = self._params[member]
             param.grad = chunk.view_as(param) if present[slot] else None
-        return bool(torch.isfinite(flat).all())
+        return _all_finite(flat)
 
     def _scales(self, narrowed: bool) -> tuple[float, float]:
         """Factors applied before and after summation."""
@@ -233,6 +245,16 @@ class GradientAverager:
         self._engine.allreduce_(list(wires), op="sum", names=self.bucket_names)
         flats = [self.decode(w, c) for w, c in zip(wires, contexts, strict=True)]
         return all([self.unpack(i, flat) for i, flat in zip(indices, flats, strict=True)])
+
+
+def _all_finite(flat: Tensor) -> bool:
+    """Whether every value is finite, in one pass over ``flat`` in the common case.
+
+    A NaN or Inf anywhere makes the sum NaN or Inf, so a finite sum proves
+    every value finite. A sum that is not finite may only have overflowed:
+    then each value is checked.
+    """
+    return bool(torch.isfinite(flat.sum())) or bool(torch.isfinite(flat).all())
 
 
 def _scaled(tensor: Tensor, factor: float) -> Tensor:
