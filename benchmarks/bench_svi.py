@@ -1,16 +1,26 @@
-"""Time SVI steps for every configuration, interleaved and repeated; report medians.
+"""Run the whole SVI performance suite with one command and write its report.
+
+    python benchmarks/bench_svi.py
+
+runs every configuration in ``suite.CONFIGS`` on every workload in
+``suite.PLANS`` that asks for it, and writes three files into
+``--output-dir`` (default: this directory):
+
+* ``results.json``: every run, the medians, min and max, the derived figures,
+  the targets' verdicts, the settings and the environment (versions, CPUs,
+  date, git commit);
+* ``RESULTS.md``: the targets, pass or fail, one table per main workload,
+  and the step-time sweep;
+* ``step_time_vs_tensors.png``: median step time against the number of
+  parameter tensors, one line per configuration.
 
 For each workload and each repeat, every configuration runs once in turn
-(repeat 1 of all of them, then repeat 2, ...), each as fresh subprocesses of
-``svi_worker.py`` with ``OMP_NUM_THREADS=1``. The driver prints one Markdown
-table per workload (median ms/step, min-max) and the derived figures:
+(repeat 1 of all of them, then repeat 2, ...), so that slow drifts of a
+shared machine hit all configurations alike. Each run is a fresh set of
+``svi_worker.py`` processes with ``OMP_NUM_THREADS=1``. Quick check that
+everything runs (the numbers mean nothing)::
 
-* W=1 overhead: median(config) / median(plain) - 1;
-* W=2 weak-scaling efficiency: median(plain-x2) / median(config).
-
-Usage::
-
-    python benchmarks/bench_svi.py [--repeats 5] [--json results.json] [--markdown results.md]
+    python benchmarks/bench_svi.py --repeats 1 --steps 3 --warmup 1 --output-dir /tmp/bench
 """
 
 from __future__ import annotations
@@ -18,58 +28,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shlex
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import asdict, replace
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-WORKER = Path(__file__).resolve().with_name("svi_worker.py")
-WORKLOADS = ("small400", "large1m")
+from report import Run, derive, judge, markdown, summarise, write_report
+from suite import CONFIGS, PLANS, Config, Plan
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "svi_worker.py"
 RUN_TIMEOUT_S = 300.0
-
-Launcher = Literal["python", "torchrun", "horovodrun"]
-
-
-@dataclass(frozen=True)
-class Config:
-    """One way of running the benchmark.
-
-    :param launcher: ``"python"`` starts ``workers`` independent processes at
-        the same time (no communication) and keeps the slowest; ``"torchrun"``
-        and ``"horovodrun"`` start one job of ``workers`` communicating workers.
-    :param baseline: the configuration this one is compared with, if any.
-    """
-
-    name: str
-    optim: str
-    launcher: Launcher
-    workers: int = 1
-    baseline: str | None = None
-
-    @property
-    def needs_horovod(self) -> bool:
-        return self.launcher == "horovodrun" or self.optim == "pyro-horovod"
-
-
-CONFIGS: list[Config] = [
-    Config("plain", "plain", "python"),
-    Config("plain-x2", "plain", "python", workers=2),
-    Config("ours-w1", "ours", "python", baseline="plain"),
-    Config("ours-w2", "ours", "torchrun", workers=2, baseline="plain-x2"),
-    Config("ours-mt-w1", "ours-mt", "python", baseline="plain"),
-    Config("ours-mt-w2", "ours-mt", "torchrun", workers=2, baseline="plain-x2"),
-    Config("pyro-horovod-w2", "pyro-horovod", "horovodrun", workers=2, baseline="plain-x2"),
-    Config("ours-horovod-w2", "ours", "horovodrun", workers=2, baseline="plain-x2"),
-]
 
 
 class RunFailed(RuntimeError):
@@ -108,18 +89,18 @@ def launch_prefix(config: Config) -> list[str]:
     return ["horovodrun", "--gloo", "-np", str(config.workers), "-H", hosts, sys.executable]
 
 
-def commands(config: Config, workload: str, steps: int, warmup: int) -> list[list[str]]:
-    """The command lines to start together for one run of ``config``."""
+def commands(config: Config, plan: Plan) -> list[list[str]]:
+    """The command lines to start together for one run of ``config`` on ``plan``."""
     worker_args = [
-        *(str(WORKER), "--workload", workload, "--optim", config.optim),
-        *("--steps", str(steps), "--warmup", str(warmup)),
+        *(str(WORKER), "--workload", plan.workload, "--optim", config.optim),
+        *("--steps", str(plan.steps), "--warmup", str(plan.warmup)),
     ]
     copies = config.workers if config.launcher == "python" else 1
     return [[*launch_prefix(config), *worker_args] for _ in range(copies)]
 
 
-def parse_result(output: str) -> float:
-    """ms/step from the worker's JSON line (horovodrun prefixes each line with the rank)."""
+def parse_result(output: str) -> dict[str, Any]:
+    """The worker's JSON record (horovodrun prefixes each line with the rank)."""
     for line in output.splitlines():
         start = line.find("{")
         if start < 0:
@@ -129,7 +110,7 @@ def parse_result(output: str) -> float:
         except json.JSONDecodeError:
             continue
         if isinstance(record, dict) and "ms_per_step" in record:
-            return float(record["ms_per_step"])
+            return record
     raise RunFailed(f"no JSON result in the output:\n{output[-2000:]}")
 
 
@@ -176,90 +157,37 @@ def run_together(command_lines: Sequence[Sequence[str]], timeout: float) -> list
     return outputs
 
 
-def run_config(config: Config, workload: str, steps: int, warmup: int) -> float:
-    """ms/step for one run of ``config``: the slowest of its independent processes."""
-    outputs = run_together(commands(config, workload, steps, warmup), RUN_TIMEOUT_S)
-    return max(parse_result(output) for output in outputs)
+def run_config(config: Config, plan: Plan) -> Run:
+    """One run of ``config``; with independent processes, the slowest one counts."""
+    started = time.monotonic()
+    try:
+        outputs = run_together(commands(config, plan), RUN_TIMEOUT_S)
+        records = [parse_result(output) for output in outputs]
+    except RunFailed as exc:
+        return {"wall_s": time.monotonic() - started, "error": str(exc)}
+    return {
+        "wall_s": time.monotonic() - started,
+        "ms_per_step": max(float(r["ms_per_step"]) for r in records),
+        "param_tensors": int(records[0]["param_tensors"]),
+        "params_in_sync": all(bool(r["params_in_sync"]) for r in records),
+    }
 
 
-def run_workload(
-    workload: str, configs: Sequence[Config], repeats: int, steps: int, warmup: int
-) -> dict[str, list[float | None]]:
-    """ms/step of every run, by configuration; ``None`` for a run that failed."""
-    runs: dict[str, list[float | None]] = {config.name: [] for config in configs}
+def run_plan(plan: Plan, configs: Sequence[Config], repeats: int) -> dict[str, list[Run]]:
+    """Every run of every configuration on one workload, interleaved, by configuration."""
+    runs: dict[str, list[Run]] = {config.name: [] for config in configs}
     for repeat in range(1, repeats + 1):
         for config in configs:
-            try:
-                ms: float | None = run_config(config, workload, steps, warmup)
-                print(f"[{workload} {repeat}/{repeats}] {config.name}: {ms:.1f} ms/step")
-            except RunFailed as exc:
-                ms = None
-                print(f"[{workload} {repeat}/{repeats}] {config.name}: FAILED, {exc}")
+            run = run_config(config, plan)
+            where = f"[{plan.workload} {repeat}/{repeats}] {config.name}:"
+            if "error" in run:
+                print(f"{where} FAILED after {run['wall_s']:.1f} s, {run['error']}")
+            else:
+                sync = "" if run["params_in_sync"] else ", workers DIVERGED"
+                print(f"{where} {run['ms_per_step']:.2f} ms/step ({run['wall_s']:.1f} s{sync})")
             sys.stdout.flush()
-            runs[config.name].append(ms)
+            runs[config.name].append(run)
     return runs
-
-
-def summarise(runs: Sequence[float | None]) -> dict[str, Any]:
-    """Median, min and max of the runs that succeeded, and how many did."""
-    ok = [ms for ms in runs if ms is not None]
-    summary: dict[str, Any] = {"ok": len(ok), "runs": len(runs)}
-    if ok:
-        summary.update(median=statistics.median(ok), min=min(ok), max=max(ok))
-    return summary
-
-
-def derived_figures(
-    configs: Sequence[Config], summaries: dict[str, dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """Each config against its baseline: W=1 overhead, or weak-scaling efficiency for W>1."""
-    figures = []
-    for config in configs:
-        if config.baseline is None or config.baseline not in summaries:
-            continue
-        ours, base = summaries[config.name].get("median"), summaries[config.baseline].get("median")
-        if ours is None or base is None:
-            continue
-        figure = {"config": config.name, "baseline": config.baseline, "workers": config.workers}
-        if config.workers == 1:
-            figure.update(kind="overhead", value=ours / base - 1.0)
-        else:
-            figure.update(kind="efficiency", value=base / ours)
-        figures.append(figure)
-    return figures
-
-
-def figure_line(figure: dict[str, Any]) -> str:
-    """One derived figure as a Markdown list item."""
-    versus, percent = f"({figure['config']} vs {figure['baseline']})", 100 * figure["value"]
-    if figure["kind"] == "overhead":
-        return f"- W=1 overhead {versus}: {percent:+.1f} %"
-    return f"- W={figure['workers']} weak-scaling efficiency {versus}: {percent:.1f} %"
-
-
-def markdown_table(
-    workload: str,
-    configs: Sequence[Config],
-    summaries: dict[str, dict[str, Any]],
-    figures: Sequence[dict[str, Any]],
-) -> str:
-    """One workload's results as a Markdown table followed by its derived figures."""
-    lines = [
-        f"### {workload}",
-        "",
-        "| configuration | workers | median ms/step | min-max ms/step | runs ok |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for config in configs:
-        s = summaries[config.name]
-        median, spread = "n/a", "n/a"
-        if s["ok"]:
-            median, spread = f"{s['median']:.1f}", f"{s['min']:.1f}-{s['max']:.1f}"
-        lines.append(
-            f"| {config.name} | {config.workers} | {median} | {spread} | {s['ok']}/{s['runs']} |"
-        )
-    lines += ["", *(figure_line(figure) for figure in figures)]
-    return "\n".join(lines) + "\n"
 
 
 def select_configs(names: Sequence[str] | None) -> list[Config]:
@@ -269,60 +197,124 @@ def select_configs(names: Sequence[str] | None) -> list[Config]:
     if needing and not horovod_available():
         print(
             f"skipped {', '.join(needing)}: needs `import horovod.torch` to work in "
-            f"{sys.executable} and `horovodrun` on PATH"
+            f"{sys.executable} and `horovodrun` on PATH (scripts/install_horovod.sh builds it)"
         )
         chosen = [c for c in chosen if not c.needs_horovod]
     return chosen
 
 
+def select_plans(names: Sequence[str] | None, steps: int | None, warmup: int | None) -> list[Plan]:
+    """The workloads asked for, with ``--steps`` and ``--warmup`` applied to all of them."""
+    plans = [plan for plan in PLANS if names is None or plan.workload in names]
+    if steps is not None:
+        plans = [replace(plan, steps=steps) for plan in plans]
+    if warmup is not None:
+        plans = [replace(plan, warmup=warmup) for plan in plans]
+    return plans
+
+
+def git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers depend on besides the code: versions, CPUs, date, commit.
+
+    Versions are read from the installed metadata of the driver's interpreter,
+    which is also the workers'; nothing is imported.
+    """
+    status = git("status", "--porcelain")
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "versions": {name: package_version(name) for name in ("torch", "pyro-ppl", "horovod")},
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+    }
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each configuration")
-    parser.add_argument("--steps", type=int, default=50, help="timed SVI steps per run")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed SVI steps per run")
+    plans, configs = [plan.workload for plan in PLANS], [c.name for c in CONFIGS]
     parser.add_argument(
-        "--configs",
-        nargs="+",
-        choices=[c.name for c in CONFIGS],
-        help="configurations to run (default: all that can run here)",
+        "--workloads", nargs="+", choices=plans, help="workloads to run (default: all)"
     )
-    parser.add_argument("--json", type=Path, help="write raw runs, medians and figures here")
-    parser.add_argument("--markdown", type=Path, help="write the tables here")
+    parser.add_argument(
+        "--configs", nargs="+", choices=configs, help="configurations to run (default: all)"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each configuration")
+    parser.add_argument("--steps", type=int, help="timed steps per run (default: per workload)")
+    parser.add_argument("--warmup", type=int, help="untimed steps per run (default: per workload)")
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        default=HERE,
+        help="where results.json, RESULTS.md and the plot go (default: %(default)s)",
+    )
     args = parser.parse_args()
-    if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
-        parser.error("--repeats and --steps must be at least 1, --warmup at least 0")
+    if args.repeats < 1 or (args.steps is not None and args.steps < 1):
+        parser.error("--repeats and --steps must be at least 1")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error("--warmup must be at least 0")
     return args
 
 
 def main() -> None:
     args = parse_args()
     configs = select_configs(args.configs)
-    if not configs:
-        sys.exit("no configuration left to run")
-    report: dict[str, Any] = {
+    plans = select_plans(args.workloads, args.steps, args.warmup)
+    started = time.monotonic()
+    workloads = []
+    for plan in plans:
+        chosen = [config for config in configs if plan.runs(config)]
+        if not chosen:
+            print(f"skipped {plan.workload}: none of the chosen configurations runs on it")
+            continue
+        runs = run_plan(plan, chosen, args.repeats)
+        summaries = {name: summarise(config_runs) for name, config_runs in runs.items()}
+        workloads.append(
+            {
+                "workload": plan.workload,
+                "steps": plan.steps,
+                "warmup": plan.warmup,
+                "main": plan.main,
+                "runs": runs,
+                "summary": summaries,
+                "figures": derive([asdict(c) for c in chosen], summaries),
+            }
+        )
+        print(f"{plan.workload} done, {(time.monotonic() - started) / 60:.1f} min so far")
+    if not workloads:
+        sys.exit("nothing to run")
+    report = {
+        "environment": environment(),
         "settings": {
+            "command": shlex.join(["python", *sys.argv]),
             "repeats": args.repeats,
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "configs": [c.name for c in configs],
+            "run_timeout_s": RUN_TIMEOUT_S,
+            "wall_s": time.monotonic() - started,
         },
-        "workloads": {},
+        "configs": [asdict(config) for config in configs],
+        "workloads": workloads,
+        "targets": judge(workloads),
     }
-    tables = []
-    for workload in args.workloads:
-        runs = run_workload(workload, configs, args.repeats, args.steps, args.warmup)
-        summaries = {name: summarise(ms) for name, ms in runs.items()}
-        figures = derived_figures(configs, summaries)
-        report["workloads"][workload] = {"runs": runs, "summary": summaries, "figures": figures}
-        tables.append(markdown_table(workload, configs, summaries, figures))
-    settings = f"{args.repeats} repeats x {args.steps} steps (after {args.warmup} warm-up)"
-    markdown = f"## SVI step time, {settings}\n\n" + "\n".join(tables)
-    print("\n" + markdown)
-    if args.markdown is not None:
-        args.markdown.write_text(markdown)
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print("\n" + markdown(report, plot_name=None))
+    for path in write_report(report, args.output_dir):
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,152 @@
+"""What the performance suite runs, and the targets it is judged by.
+
+Three tables of plain data, kept apart from the code that runs them
+(``bench_svi.py``) and the code that reports on them (``report.py``), so that
+adding a configuration, a workload or a target is one line here:
+
+* ``CONFIGS``: how to run the worker (optimizer, launcher, number of workers)
+  and which configuration each is compared with;
+* ``PLANS``: the workloads, how many steps each times, and which
+  configurations run on it: every one on the main workloads, only those the
+  plot needs on the rest of the step-time sweep;
+* ``TARGETS``: the goals from the project issue, each a throughput ratio of
+  one configuration against another with a threshold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "CONFIGS",
+    "PEERS",
+    "PLANS",
+    "SWEEP_CONFIGS",
+    "TARGETS",
+    "Config",
+    "Plan",
+    "Target",
+]
+
+Launcher = Literal["python", "torchrun", "horovodrun"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way of running the benchmark.
+
+    :param optim: the worker's ``--optim``.
+    :param launcher: ``"python"`` starts ``workers`` independent processes at
+        the same time (no communication) and keeps the slowest; ``"torchrun"``
+        and ``"horovodrun"`` start one job of ``workers`` communicating workers.
+    :param baseline: the configuration this one is compared with, if any:
+        ``plain`` for one worker (the overhead), ``plain-x2`` for two (the
+        weak-scaling efficiency).
+    """
+
+    name: str
+    optim: str
+    launcher: Launcher
+    workers: int = 1
+    baseline: str | None = None
+
+    @property
+    def needs_horovod(self) -> bool:
+        return self.launcher == "horovodrun" or self.optim == "pyro-horovod"
+
+
+CONFIGS: tuple[Config, ...] = (
+    Config("plain", "plain", "python"),
+    Config("plain-x2", "plain", "python", workers=2),
+    Config("ours-w1", "ours", "python", baseline="plain"),
+    Config("ours-pp-w1", "ours-pp", "python", baseline="plain"),
+    Config("ours-w2", "ours", "torchrun", workers=2, baseline="plain-x2"),
+    Config("ours-nooverlap-w2", "ours-nooverlap", "torchrun", workers=2, baseline="plain-x2"),
+    Config("ours-fp16-w2", "ours-fp16", "torchrun", workers=2, baseline="plain-x2"),
+    Config("ours-horovod-w2", "ours", "horovodrun", workers=2, baseline="plain-x2"),
+    Config("pyro-horovod-w2", "pyro-horovod", "horovodrun", workers=2, baseline="plain-x2"),
+    Config("ddp-w2", "ddp", "torchrun", workers=2, baseline="plain-x2"),
+)
+
+# The peers every two-worker configuration is compared with, by throughput.
+PEERS: tuple[str, ...] = ("pyro-horovod-w2", "ddp-w2")
+
+# What the step time against parameter tensors plot draws: the limits and
+# the peers beside our default configuration.
+SWEEP_CONFIGS: tuple[str, ...] = (
+    "plain",
+    "plain-x2",
+    "ours-w1",
+    "ours-w2",
+    "pyro-horovod-w2",
+    "ddp-w2",
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A workload, how long each run times it, and which configurations run on it.
+
+    Steps are per workload because step times differ by 40x between them: a
+    run should time a second or more, and the process start-up (several
+    seconds) already dominates. ``configs=None`` means every configuration;
+    a main workload gets its own table and is judged by the targets.
+    """
+
+    workload: str
+    steps: int
+    warmup: int
+    configs: tuple[str, ...] | None = None
+    main: bool = True
+
+    def runs(self, config: Config) -> bool:
+        return self.configs is None or config.name in self.configs
+
+
+PLANS: tuple[Plan, ...] = (
+    Plan("small400", steps=15, warmup=3),
+    Plan("large1m", steps=50, warmup=5),
+    Plan("vae", steps=100, warmup=10),
+    # The rest of the sweep; small400 above is its last point.
+    Plan("small10", steps=100, warmup=10, configs=SWEEP_CONFIGS, main=False),
+    Plan("small40", steps=60, warmup=10, configs=SWEEP_CONFIGS, main=False),
+    Plan("small100", steps=30, warmup=5, configs=SWEEP_CONFIGS, main=False),
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal: ``config``'s throughput against ``reference``'s, with a threshold.
+
+    Every kind is computed from one ratio, r = median(reference) /
+    median(config), the throughput of ``config`` in units of the reference's:
+
+    * ``"efficiency"``: r itself, against the two-process limit; at least
+      ``threshold``;
+    * ``"speedup"``: r against a peer; at least ``threshold``;
+    * ``"overhead"``: 1/r - 1, the extra time per step; at most ``threshold``.
+    """
+
+    label: str
+    config: str
+    reference: str
+    kind: Literal["efficiency", "speedup", "overhead"]
+    threshold: float
+
+    def value(self, throughput_ratio: float) -> float:
+        return 1.0 / throughput_ratio - 1.0 if self.kind == "overhead" else throughput_ratio
+
+    def passed(self, value: float) -> bool:
+        return value <= self.threshold if self.kind == "overhead" else value >= self.threshold
+
+
+TARGETS: tuple[Target, ...] = (
+    Target("W=2 efficiency >= 90 %", "ours-w2", "plain-x2", "efficiency", 0.90),
+    Target(">= 1.3x Pyro's HorovodOptimizer", "ours-w2", "pyro-horovod-w2", "speedup", 1.3),
+    Target("no slower than DDP", "ours-w2", "ddp-w2", "speedup", 1.0),
+    Target("W=1 overhead <= 2 %", "ours-w1", "plain", "overhead", 0.02),
+    # The same, with one torch optimizer per parameter as plain Pyro has: the
+    # cost of the wrapper alone, without the multi-tensor step's gain.
+    Target("W=1 overhead <= 2 %, per-parameter step", "ours-pp-w1", "plain", "overhead", 0.02),
+)
