@@ -74,8 +74,15 @@ class _Sent:
 
 
 def _grad_stamp(param: Tensor) -> tuple[Tensor | None, int]:
+    """The gradient object and its version: any change to ``.grad`` changes one of them."""
     grad = param.grad
     return grad, (grad._version if grad is not None else -1)
+
+
+def _changed_since(param: Tensor, stamp: tuple[Tensor | None, int]) -> bool:
+    grad, version = stamp
+    # Compared by identity: == on tensors would compare their values.
+    return param.grad is not grad or (grad is not None and grad._version != version)
 
 
 def _remove(handles: list[RemovableHandle]) -> None:
@@ -164,7 +171,7 @@ class BackwardOverlap:
         members = self._averager.buckets[index].members
         sent = self._sent[index]
         return any(
-            _grad_stamp(self._params[member]) != stamp
+            _changed_since(self._params[member], stamp)
             for member, stamp in zip(members, sent.grads, strict=True)
         )
 

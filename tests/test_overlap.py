@@ -3,8 +3,8 @@
 Each scenario trains the same workers twice, without and with overlap, from
 the same seeds, and the parameters must come out bitwise equal. The scenarios
 are the ones that could trip an early send: several backward passes per step,
-clipping after averaging, workers that use different parameters, and
-compression.
+clipping after averaging, workers that use different parameters, compression,
+and a backward pass on one worker outside any step.
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ def skipped(scenario: str, step: int) -> frozenset[int]:
     return frozenset()
 
 
+def diagnose(x: torch.Tensor, y: torch.Tensor) -> None:
+    """A backward pass on this worker alone, outside any step; it sends buckets early."""
+    Trace_ELBO().differentiable_loss(wide_model, wide_guide, x, y, frozenset()).backward()
+    pyro.infer.util.zero_grads([p for _, p in pyro.get_param_store().named_parameters()])
+
+
 def train(scenario: str, overlap: bool) -> tuple[dict[str, torch.Tensor], bool]:
     pyro.clear_param_store()
     pyro.set_rng_seed(100 + pd.rank())
@@ -76,6 +82,8 @@ def train(scenario: str, overlap: bool) -> tuple[dict[str, torch.Tensor], bool]:
     elbo = Trace_ELBO(num_particles=3 if scenario == "particles" else 1)
     svi = SVI(wide_model, wide_guide, optim, elbo)
     for step in range(STEPS):
+        if scenario == "diagnostic" and pd.rank() == 0 and step >= 3:
+            diagnose(x, y)
         svi.step(x, y, skipped(scenario, step))
     assert optim._overlap is not None or not overlap
     armed = optim._overlap is not None and optim._overlap.armed
@@ -88,7 +96,9 @@ def _both_ways(scenario: str) -> dict[str, Any]:
     return {"without": without, "with": with_overlap, "armed": armed}
 
 
-@pytest.mark.parametrize("scenario", ["plain", "particles", "clipped", "differing", "fp16"])
+@pytest.mark.parametrize(
+    "scenario", ["plain", "particles", "clipped", "differing", "fp16", "diagnostic"]
+)
 def test_overlap_is_bitwise_equal_to_no_overlap(scenario: str) -> None:
     results = run_workers(_both_ways, scenario)
     for rank, result in enumerate(results):
