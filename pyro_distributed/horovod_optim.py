@@ -8,9 +8,13 @@ their meaning; they are checked here, up front, and turned into a
 this module only translates arguments.
 
 Where Pyro's class wraps one ``hvd.DistributedOptimizer`` per parameter, with
-gradient hooks that fire during backward, this one averages all accumulated
-gradients when it is called. That is why multi-particle ELBOs work, why
-clipping sees the averaged gradient, and why schedulers are kept.
+gradient hooks that fire during backward, this one treats averages that
+leave during backward as provisional (:mod:`pyro_distributed.overlap`): a
+gradient that changes afterwards is sent again, and the wrapped optimizer
+steps only on the final averages. That is why multi-particle ELBOs work, why
+clipping sees the averaged gradient, and why schedulers are kept. It also
+steps through one multi-tensor optimizer where that is exact, as
+``DistributedOptimizer`` does by default.
 """
 
 from __future__ import annotations

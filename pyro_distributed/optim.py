@@ -114,6 +114,15 @@ class DistributedOptimizer(PyroOptim):
         before parameters are created if that first step must be exact.
 
     .. warning::
+        With ``overlap=True`` (the default) a backward pass sends gradients
+        as it runs. Follow every backward pass through the optimizer's
+        parameters with an optimizer call on every worker, as ``svi.step``
+        does; a backward pass on some workers only (say, a diagnostic on
+        worker 0) is corrected at the next call, but one that no call
+        follows leaves sends unanswered. Pass ``overlap=False`` for such
+        scripts.
+
+    .. warning::
         Give each worker different data. Inside ``pyro.plate(...,
         subsample_size=b)`` every worker draws the same subsample unless the
         subsampling is sharded; otherwise the workers duplicate each other.
