@@ -158,6 +158,8 @@ class DistributedOptimizer(PyroOptim):
             raise ValueError(f"check_every must be a positive int or None, got {check_every!r}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be True or False, got {overlap!r}")
+        if multi_tensor is not None and not isinstance(multi_tensor, bool):
+            raise TypeError(f"multi_tensor must be True, False or None, got {multi_tensor!r}")
         reduction = Reduction(compression=compressor(compression))
         running = runtime.init(engine) if isinstance(engine, str) else engine
         self._configure(

@@ -254,6 +254,18 @@ def test_rejects_wrapping_twice() -> None:
         pd.DistributedOptimizer(once)
 
 
+@pytest.mark.parametrize(
+    ("keyword", "value", "message"),
+    [
+        ("overlap", "yes", "overlap must be True or False, got 'yes'"),
+        ("multi_tensor", 1, "multi_tensor must be True, False or None, got 1"),
+    ],
+)
+def test_rejects_non_bool_switches(keyword: str, value: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}), engine="local", **{keyword: value})
+
+
 @pytest.mark.parametrize("cap", [0, -1.0, float("inf"), float("nan")])
 def test_rejects_bad_bucket_caps(cap: float) -> None:
     with pytest.raises(ValueError, match="bucket_cap_mb must be positive and finite"):
