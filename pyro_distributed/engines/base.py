@@ -127,6 +127,18 @@ class Engine(abc.ABC):
         self.allreduce_([tensor], op, [name] if name else ())
         return _Finished()
 
+    def _allreduce_started(
+        self, tensors: Sequence[Tensor], op: ReduceOp, names: Sequence[str]
+    ) -> None:
+        """:meth:`allreduce_` for engines whose :meth:`allreduce_async_` really
+        starts a collective: start them all, then wait, so they can pipeline."""
+        pending = [
+            self.allreduce_async_(tensor, op, name)
+            for tensor, name in zip(tensors, list(names) or [""] * len(tensors), strict=True)
+        ]
+        for started in pending:
+            started.wait()
+
     def open_channel(self) -> Engine:
         """An engine on the same workers whose collectives pair up independently of this one's.
 

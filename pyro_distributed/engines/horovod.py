@@ -117,20 +117,9 @@ class HorovodEngine(Engine):
     def allreduce_(
         self, tensors: Sequence[Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
     ) -> None:
-        if op not in self._ops:
-            raise ValueError(f"the horovod engine has no reduction {op!r}")
-        names = list(names) or [self._name(op) for _ in tensors]
-        with self._collective(f"allreduce ({op}) of {len(tensors)} tensor(s)"):
-            # Asynchronous calls, then waits: Horovod's background thread fuses
-            # whatever is pending into one buffer per cycle.
-            handles = [
-                self.hvd.allreduce_async_(
-                    tensor, name=name, op=self._ops[op], process_set=self._process_set
-                )
-                for tensor, name in zip(tensors, names, strict=True)
-            ]
-            for handle in handles:
-                self.hvd.synchronize(handle)
+        # Started together: Horovod's background thread fuses whatever is
+        # pending into one buffer per cycle.
+        self._allreduce_started(tensors, op, names)
 
     def allreduce_async_(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Pending:
         # Horovod pairs collectives by name, so no separate channel is needed.

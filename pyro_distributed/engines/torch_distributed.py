@@ -198,18 +198,7 @@ class TorchEngine(Engine):
     def allreduce_(
         self, tensors: Sequence[Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
     ) -> None:
-        if op not in _REDUCE_OPS:
-            raise ValueError(f"the torch engine has no reduction {op!r}")
-        with self._collective(f"allreduce ({op}) of {len(tensors)} tensor(s)"):
-            works = [
-                dist.all_reduce(t, op=_REDUCE_OPS[op], group=self._group(t), async_op=True)
-                for t in tensors
-            ]
-            for work in works:
-                work.wait(self._timeout)
-        if op == "mean":
-            for t in tensors:
-                t.div_(self._world_size)
+        self._allreduce_started(tensors, op, names)
 
     def allreduce_async_(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Pending:
         if op not in _REDUCE_OPS:
