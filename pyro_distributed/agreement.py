@@ -144,10 +144,6 @@ class ParameterAgreement:
         """Treat every parameter as new again (after a checkpoint was loaded)."""
         self._synced.clear()
 
-    def agree(self, params: Iterable[Tensor]) -> StepParams:
-        """Agree on this step's parameters with every worker."""
-        return self.settle(self.propose(params)).step
-
     def propose(self, params: Iterable[Tensor]) -> Proposal:
         """This worker's view of the step, before any communication."""
         store = pyro.get_param_store()
