@@ -20,10 +20,15 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .consistency import assert_in_sync
 from .data import ShardSampler, even_batches, shard, shard_indices
 from .errors import PyroDistributedError
+from .evaluate import evaluate_loss
 from .horovod_optim import HorovodOptimizer
 from .optim import DistributedOptimizer
+from .plates import data_plate
+from .predictive import Predictive
 from .runtime import (
     all_mean,
+    all_workers,
+    any_worker,
     barrier,
     current_engine,
     init,
@@ -41,12 +46,17 @@ __version__ = "0.1.0"
 __all__ = [
     "DistributedOptimizer",
     "HorovodOptimizer",
+    "Predictive",
     "PyroDistributedError",
     "ShardSampler",
     "all_mean",
+    "all_workers",
+    "any_worker",
     "assert_in_sync",
     "barrier",
     "current_engine",
+    "data_plate",
+    "evaluate_loss",
     "even_batches",
     "init",
     "is_main",

@@ -17,14 +17,20 @@ import torch
 
 from . import runtime
 
-__all__ = ["set_rng_seed", "shared_generator", "worker_seed"]
+__all__ = ["derived_seed", "set_rng_seed", "shared_generator", "worker_seed"]
 
 _shared = torch.Generator().manual_seed(0)
 
 
+def derived_seed(seed: int, *path: int) -> int:
+    """A 32-bit seed for the stream named by ``path`` under ``seed``; streams
+    with different paths are independent."""
+    return int(np.random.SeedSequence([seed, *path]).generate_state(1, dtype=np.uint32)[0])
+
+
 def worker_seed(seed: int, rank: int) -> int:
     """The seed worker ``rank`` uses under ``set_rng_seed(seed)`` (fits in 32 bits)."""
-    return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint32)[0])
+    return derived_seed(seed, rank)
 
 
 def set_rng_seed(seed: int) -> None:

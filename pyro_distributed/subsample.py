@@ -17,6 +17,7 @@ average of the workers' gradients is an unbiased estimate from W*b points.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
 from . import runtime
+from .plates import shard_lengths
 from .seeding import shared_generator
 
 __all__ = ["shard_subsamples"]
@@ -46,6 +48,12 @@ class shard_subsamples(Messenger):
 
     :raises ValueError: when ``world_size * subsample_size`` exceeds a plate's size.
 
+    It also watches for the commonest mistake with sharded data: a plate
+    sized by this worker's shard, ``pyro.plate("data", len(x_mine))`` with
+    ``x_mine = pd.shard(x)``, which fits the posterior of the shard alone.
+    Such a plate gets a :class:`UserWarning` naming it and the fix
+    (:func:`~pyro_distributed.data_plate`).
+
     .. warning::
         Every worker must enter the same plates in the same order, as the
         shared generator advances once per subsampled plate. Seed it with
@@ -57,9 +65,11 @@ class shard_subsamples(Messenger):
         if not isinstance(fn, _Subsample) or msg["value"] is not None:
             return
         size, per_worker = fn.size, fn.subsample_size
+        workers, rank = runtime.world_size(), runtime.rank()
+        if workers > 1:
+            _warn_if_sized_by_a_shard(msg["name"], size)
         if per_worker is None or per_worker >= size:
             return  # no subsampling: every worker sees the whole plate
-        workers, rank = runtime.world_size(), runtime.rank()
         if workers * per_worker > size:
             raise ValueError(
                 f"plate {msg['name']!r}: {workers} workers x subsample_size {per_worker} "
@@ -68,3 +78,18 @@ class shard_subsamples(Messenger):
         permutation = torch.randperm(size, generator=shared_generator())
         mine = permutation[rank * per_worker : (rank + 1) * per_worker]
         msg["value"] = mine.to(fn.device)
+
+
+def _warn_if_sized_by_a_shard(name: str, size: int) -> None:
+    whole = shard_lengths().get(size)
+    if whole is None:
+        return
+    warnings.warn(
+        f"plate {name!r} has size {size}, the length of this worker's shard from "
+        f"pd.shard of a data set of {whole} rows: it fits the posterior of this shard "
+        f"alone (widths about sqrt(W) too wide). Write the plate as "
+        f"pd.data_plate({name!r}, x_mine), or pyro.plate({name!r}, {whole}, "
+        f"subsample=...) with the shard's global indices",
+        UserWarning,
+        stacklevel=2,
+    )
