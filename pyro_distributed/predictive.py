@@ -6,8 +6,10 @@ what it returns, with the work split one of two ways:
 * ``split="samples"`` (default): each worker draws a contiguous share of the
   ``num_samples`` draws (and takes the matching rows of
   ``posterior_samples``); the shares are stacked along dim 0 in order.
-  Without a ``seed`` each worker draws from its own generator, so a run
-  repeats at a fixed :func:`~pyro_distributed.set_rng_seed` and world size.
+  Without a ``seed`` each worker seeds its draws from its own generator
+  and its rank, so the workers' draws are independent even if their
+  generators were seeded alike, and a run repeats at fixed seeds and world
+  size.
   With a ``seed``, draws are made in chunks of fixed size, each from a
   generator seeded by ``(seed, chunk)``, and workers take whole chunks: the
   result is then bitwise the same at every world size, one process included.
@@ -65,7 +67,8 @@ class Predictive:
     :param seed: with ``split="samples"``, draw the samples in chunks seeded
         by ``(seed, chunk)``: the result is then identical at any world size.
         With ``split="data"``, seed each worker's draws by ``(seed, rank)``.
-        ``None`` (default): each worker continues its own random stream.
+        ``None`` (default): a seed drawn from this worker's torch generator,
+        mixed with its rank, so that workers never repeat each other's draws.
     :param chunk_size: how many samples one underlying ``pyro.infer.Predictive``
         call draws (default: a worker's whole share, or with a ``seed``
         ``ceil(num_samples / 64)``). Smaller chunks hold less memory at once.
@@ -132,10 +135,10 @@ class Predictive:
         rows: range,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
-        seed: int | None = None,
+        seed: int,
     ) -> dict[str, Tensor]:
         """Samples ``rows`` of the whole draw, from one ``pyro.infer.Predictive``
-        call; with a ``seed``, from generators seeded by it."""
+        call, from generators seeded by ``seed``."""
         posterior = {
             name: value[rows.start : rows.stop] for name, value in self.posterior_samples.items()
         }
@@ -155,17 +158,18 @@ class Predictive:
         if not drawn:
             # More workers than chunks: draw one sample to learn the sites'
             # shapes, and contribute none of it.
-            return {name: value[:0] for name, value in self._draw(range(1), args, kwargs).items()}
+            shapes = self._draw(range(1), args, kwargs, seed=0)
+            return {name: value[:0] for name, value in shapes.items()}
         return {name: torch.cat([piece[name] for piece in drawn]) for name in drawn[0]}
 
-    def _my_chunks(self) -> Iterator[tuple[range, int | None]]:
+    def _my_chunks(self) -> Iterator[tuple[range, int]]:
         """This worker's chunks of ``range(num_samples)``, with each chunk's seed."""
         total = self.num_samples
         if self.seed is None:
-            mine = block_range(total)
+            mine, base = block_range(total), _unseeded_base()
             size = self.chunk_size or max(len(mine), 1)
-            for start in range(mine.start, mine.stop, size):
-                yield range(start, min(start + size, mine.stop)), None
+            for number, start in enumerate(range(mine.start, mine.stop, size)):
+                yield range(start, min(start + size, mine.stop)), base + number
             return
         size = self.chunk_size or max(1, -(-total // DEFAULT_CHUNKS))
         for chunk in block_range(-(-total // size)):
@@ -187,19 +191,22 @@ class Predictive:
         batch, rows = next(block_batches(columns, None))
         probe = _DataAxes(len(rows), size)
         everything = range(self.num_samples)
-        seed = None if self.seed is None else derived_seed(self.seed, runtime.rank())
+        seed = derived_seed(_unseeded_base() if self.seed is None else self.seed, runtime.rank())
         with probe:
             pieces = self._draw(everything, batch, kwargs, seed)
         return pieces, {name: probe.axes.get(name) for name in pieces}
 
 
+def _unseeded_base() -> int:
+    """A seed from this worker's torch generator, mixed with its rank: workers
+    whose generators were seeded alike still draw independent samples."""
+    drawn = int(torch.randint(0, 2**31 - 1, ()).item())
+    return derived_seed(drawn, runtime.rank())
+
+
 @contextmanager
-def _seeded(seed: int | None) -> Iterator[None]:
-    """Draw from generators seeded by ``seed``, then put the caller's states back
-    (``None``: draw from the caller's generators)."""
-    if seed is None:
-        yield
-        return
+def _seeded(seed: int) -> Iterator[None]:
+    """Draw from generators seeded by ``seed``, then put the caller's states back."""
     state = pyro.util.get_rng_state()
     pyro.set_rng_seed(seed)
     try:
@@ -220,9 +227,18 @@ class _DataAxes(Messenger):
     def _pyro_post_sample(self, msg: Any) -> None:
         if isinstance(msg["fn"], _Subsample) or msg["name"] in self.axes:
             return
+        shape = getattr(msg["value"], "shape", ())
         for frame in msg["cond_indep_stack"]:
-            if frame.size == self.block and frame.full_size in (self.block, self.size):
-                if frame.dim is not None:
-                    event_dim = getattr(msg["fn"], "event_dim", 0)
-                    self.axes[msg["name"]] = frame.dim - event_dim
+            if frame.size != self.block or frame.full_size not in (self.block, self.size):
+                continue
+            if frame.dim is None:
                 return
+            # A plate's dim counts from the right of the batch shape; a site
+            # that declares its whole value an event (pyro.deterministic does
+            # by default) still carries the plate's axis at that dim itself.
+            event_dim = getattr(msg["fn"], "event_dim", 0)
+            for axis in (frame.dim - event_dim, frame.dim):
+                if -len(shape) <= axis and shape[axis] == self.block:
+                    self.axes[msg["name"]] = axis
+                    return
+            return

@@ -13,6 +13,7 @@ import math
 from datetime import timedelta
 from typing import TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -175,7 +176,7 @@ def float_mean(engine: Engine, value: float) -> float:
     return float(buffer.item())
 
 
-def any_worker(flag: bool) -> bool:
+def any_worker(flag: bool | Tensor) -> bool:
     """Whether ``flag`` is true on at least one worker; the same answer on every worker.
 
     For decisions that every worker must take together, such as stopping early:
@@ -198,7 +199,7 @@ def any_worker(flag: bool) -> bool:
     return _reduce_flag(flag, "any_worker", negate=False)
 
 
-def all_workers(flag: bool) -> bool:
+def all_workers(flag: bool | Tensor) -> bool:
     """Whether ``flag`` is true on every worker; the same answer on every worker.
 
     Example::
@@ -212,11 +213,13 @@ def all_workers(flag: bool) -> bool:
     return not _reduce_flag(flag, "all_workers", negate=True)
 
 
-def _reduce_flag(flag: bool, caller: str, *, negate: bool) -> bool:
+def _reduce_flag(flag: bool | Tensor, caller: str, *, negate: bool) -> bool:
     if isinstance(flag, Tensor):
         if flag.numel() != 1:
             raise ValueError(f"{caller} takes one flag, got a tensor of shape {tuple(flag.shape)}")
         flag = bool(flag.item())
+    if isinstance(flag, np.bool_):
+        flag = bool(flag)
     if not isinstance(flag, bool):
         raise TypeError(f"{caller} takes a bool (or a one-element tensor), got {flag!r}")
     buffer = torch.tensor([int(flag != negate)], dtype=torch.int64)
