@@ -23,6 +23,7 @@ from .errors import PyroDistributedError
 from .evaluate import evaluate_loss
 from .horovod_optim import HorovodOptimizer
 from .optim import DistributedOptimizer
+from .ownership import gather_param, local_rows
 from .plates import data_plate
 from .predictive import Predictive
 from .runtime import (
@@ -58,10 +59,12 @@ __all__ = [
     "data_plate",
     "evaluate_loss",
     "even_batches",
+    "gather_param",
     "init",
     "is_main",
     "load_checkpoint",
     "local_rank",
+    "local_rows",
     "rank",
     "save_checkpoint",
     "set_rng_seed",

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
+import pyro
 import torch
 from pyro.optim import PyroOptim
 from torch import Tensor
@@ -40,6 +41,7 @@ from .engines import Engine
 from .errors import PyroDistributedError
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .overlap import BackwardOverlap
+from .ownership import LocalGradients, split_local
 from .reduce import GradientAverager, Reduction
 
 __all__ = ["DistributedOptimizer"]
@@ -213,6 +215,7 @@ class DistributedOptimizer(PyroOptim):
         self._overlap = (
             BackwardOverlap(engine, self._averager) if overlap and engine.world_size > 1 else None
         )
+        self._local = LocalGradients(engine)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes this object lacks: read the wrapped
@@ -232,11 +235,17 @@ class DistributedOptimizer(PyroOptim):
         if self.engine.world_size == 1:
             self._step_wrapped(params, *args, **kwargs)
             return
+        # Local parameters (pyro_distributed.ownership) never travel.
+        params, local = split_local(params)
         step, finite = self._average(params)
+        if local:
+            finite = self._local.prepare(local) and finite
         if finite:
-            self._step_wrapped(list(step.tensors), *args, **kwargs)
+            self._step_wrapped([*step.tensors, *local], *args, **kwargs)
         else:
-            self._refuse_nonfinite(step.names, step.tensors)
+            store = pyro.get_param_store()
+            names = [*step.names, *(store.param_name(p) or "?" for p in local)]
+            self._refuse_nonfinite(names, [*step.tensors, *local])
         for name, param in zip(step.names, step.tensors, strict=True):
             if name in step.borrowed:
                 # This worker's SVI will not zero it; a stale average must not
