@@ -29,6 +29,7 @@ from torch.utils.data import Sampler, TensorDataset
 
 from . import runtime
 from .plates import RowOrigin, record_origin
+from .seeding import derived_seed
 
 __all__ = [
     "Data",
@@ -177,10 +178,23 @@ class ShardSampler(Sampler[int]):
             sampler.set_epoch(epoch)   # a new shared order each epoch
             for batch in loader:
                 svi.step(batch)
+
+    With ``by_block=True`` each worker keeps the same contiguous block of the
+    data set for the whole run (:func:`block_range`, the rows whose local
+    parameters it owns under ``shard_subsamples(own_local_params=True)``) and
+    only the order inside the block changes each epoch. Blocks may differ by
+    one item; ``uneven`` then drops the last item of the longer blocks, or
+    pads the shorter ones with their first, so all have the same length.
     """
 
     def __init__(
-        self, dataset: Sized, *, shuffle: bool = True, seed: int = 0, uneven: Uneven = "drop"
+        self,
+        dataset: Sized,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        uneven: Uneven = "drop",
+        by_block: bool = False,
     ) -> None:
         if uneven == "split":
             raise ValueError(
@@ -189,6 +203,7 @@ class ShardSampler(Sampler[int]):
             )
         self._length = len(dataset)
         self.shuffle, self.seed, self.uneven, self.epoch = shuffle, seed, uneven, 0
+        self.by_block = by_block
         shard_indices(self._length, uneven=uneven)  # check the arguments now
 
     def set_epoch(self, epoch: int) -> None:
@@ -196,9 +211,24 @@ class ShardSampler(Sampler[int]):
         self.epoch = epoch
 
     def _indices(self) -> Tensor:
+        if self.by_block:
+            return self._block_indices()
         return shard_indices(
             self._length, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch, uneven=self.uneven
         )
+
+    def _block_indices(self) -> Tensor:
+        block = block_range(self._length)
+        order = torch.arange(block.start, block.stop)
+        if self.shuffle:
+            stream = derived_seed(self.seed, self.epoch, runtime.rank())
+            order = order[
+                torch.randperm(len(order), generator=torch.Generator().manual_seed(stream))
+            ]
+        length = len(self)
+        if len(order) >= length:
+            return order[:length]
+        return torch.cat([order, order[: length - len(order)]])
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._indices().tolist())

@@ -149,3 +149,88 @@ def test_bytes_sent_per_step_do_not_grow_with_n() -> None:
     large = run_workers(bytes_sent, 10_000)
     assert small == large
     assert 0 < small[0] < 1000
+
+
+def gathered_and_local_rows() -> dict[str, Any]:
+    train(True, "adam", "hand")
+    return {
+        "gathered": pd.gather_param("z_loc"),
+        "everywhere": pd.gather_param("z_loc", to="all"),
+        "local": pd.local_rows("z_loc"),
+        "global": pd.gather_param("mu_loc"),
+    }
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_gather_param_assembles_the_rows_in_order_on_worker_0(workers: int) -> None:
+    replicated = run_workers(train, False, "adam", "hand", world_size=workers)
+    results = run_workers(gathered_and_local_rows, world_size=workers)
+    # z_loc is unconstrained, so the stored values are the ones gather_param returns.
+    reference = replicated[0]["values"]["z_loc"]
+    assert torch.equal(results[0]["gathered"], reference)
+    assert all(result["gathered"] is None for result in results[1:])
+    assert all(torch.equal(result["everywhere"], reference) for result in results)
+    assert torch.equal(results[0]["global"], replicated[0]["values"]["mu_loc"])
+    together = torch.cat([result["local"][0] for result in results])
+    assert together.tolist() == list(range(N)), "blocks in order, every row once"
+
+
+def block_sampler_epochs() -> list[list[int]]:
+    sampler = pd.ShardSampler(range(N), by_block=True, seed=1)
+    epochs = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        epochs.append(list(sampler))
+    return epochs
+
+
+def test_block_sampler_keeps_each_workers_block_and_shuffles_inside_it() -> None:
+    first, second = run_workers(block_sampler_epochs)
+    for rank, epochs in enumerate((first, second)):
+        block = set(range(rank * N // 2, (rank + 1) * N // 2))
+        for epoch in epochs:
+            assert len(epoch) == N // 2 and set(epoch) <= block
+        assert epochs[0] != epochs[1], "a new order inside the block each epoch"
+
+
+def misuse(case: str) -> str:
+    x = data()
+    with pytest.raises((ValueError, pd.PyroDistributedError)) as error:
+        if case == "init":
+
+            def bad_guide(x: torch.Tensor) -> None:
+                with pyro.plate("data", len(x), subsample_size=BATCH):
+                    pyro.param("z_loc", torch.zeros(len(x) + 1, D), event_dim=1)
+
+            with pd.shard_subsamples(own_local_params=True):
+                bad_guide(x)
+        elif case == "outside":
+            with pd.shard_subsamples(own_local_params=True):
+                guide(x)
+                pyro.param("z_loc")
+        elif case == "index":
+            indices = torch.tensor([0, N - 1])
+            with (
+                pd.shard_subsamples(own_local_params=True),
+                pyro.plate("data", N, subsample=indices),
+            ):
+                pass
+        elif case == "size":
+            size = N + pd.rank()  # the plate's size differs on worker 1
+            optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
+            svi = SVI(model, guide, optim, Trace_ELBO())
+            with pd.shard_subsamples(own_local_params=True):
+                svi.step(data(size))
+    return str(error.value)
+
+
+def test_misuse_is_named() -> None:
+    init, outside, index, size = (
+        run_workers(misuse, case)[1] for case in ("init", "outside", "index", "size")
+    )
+    assert "local parameter 'z_loc' has 42 rows along plate 'data'" in init
+    assert "needs the plate's size 41, or worker 1's block of 21 rows" in init
+    assert "local parameter 'z_loc' of plate 'data' is used outside that plate" in outside
+    assert "plate 'data': subsample index 0 lies outside worker 1's block [20, 41)" in index
+    assert "workers disagree on local parameter" in size
+    assert "worker 0: plate 'data' of size 41; worker 1: plate 'data' of size 42" in size
