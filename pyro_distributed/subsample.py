@@ -14,10 +14,10 @@ the guide drew under the same name (as SVI always does), so plates entered in
 both guide and model agree. Pyro's scaling by size / b is unchanged, so the
 average of the workers' gradients is an unbiased estimate from W*b points.
 
-With ``by_block=True`` (implied by ``own_local_params=True``) the plate is
-instead cut into W contiguous blocks, and worker r draws its b indices
-uniformly from block r, fresh at every draw; ``subsample=`` indices must lie
-in block r. Blocks may differ in length by one, so every site inside such a
+With ``by_block=True`` (implied by ``own_local_params=True``) a subsampled
+plate is instead cut into W contiguous blocks, and worker r draws its b
+indices uniformly from block r, fresh at every draw; ``subsample=`` indices
+must lie in block r. Plates that are not subsampled are left whole. Blocks may differ in length by one, so every site inside such a
 plate is scaled by ``W * len(block) / size`` on top of Pyro's ``size / b``:
 each worker's loss then estimates its block's share times W, and the average
 over workers is unbiased for the whole plate. With ``own_local_params=True``
@@ -135,7 +135,7 @@ class shard_subsamples(Messenger):
         if msg["value"] is None:
             per_worker = fn.subsample_size
             if per_worker is None or per_worker >= size:
-                per_worker = len(block)  # the whole plate: this worker's whole block
+                return  # not subsampled: every worker sees the whole plate, as always
             if per_worker > len(block):
                 raise ValueError(
                     f"plate {name!r}: subsample_size {per_worker} exceeds worker "

@@ -137,3 +137,25 @@ def test_readme_quickstart_is_the_example() -> None:
     readme = (ROOT / "README.md").read_text()
     body = QUICKSTART.read_text().split('"""', 2)[2].strip()
     assert f"```python\n{body}\n```" in readme
+
+
+RANDOM_EFFECTS = ROOT / "examples" / "random_effects.py"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_random_effects_example_recovers_the_effects(workers: int) -> None:
+    launcher = [sys.executable]
+    if workers > 1:
+        launcher = [
+            str(BIN / "torchrun"),
+            f"--nproc-per-node={workers}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+        ]
+    output = run([*launcher, str(RANDOM_EFFECTS), "--groups=2000", "--batch=200", "--steps=1500"])
+    assert output.count(f"worker 0 holds {2000 // workers} of 2000 groups' parameters") == 1
+    match = re.search(r"correlation with the truth (\S+) \(at best (\S+)\)", output)
+    assert match, output
+    assert float(match.group(1)) > float(match.group(2)) - 0.03, output
+    mu = re.search(r"^mu (\S+),", output, re.MULTILINE)
+    assert mu and abs(float(mu.group(1)) - 3.0) < 0.15, output
