@@ -45,6 +45,7 @@ from pyro.optim import PyroOptim
 from torch import Tensor, nn
 
 import pyro_distributed
+from pyro_distributed.ownership import state_bytes
 
 SEED = 20240601
 LEARNING_RATE = 1e-3
@@ -402,20 +403,11 @@ def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -
         with pyro_distributed.shard_subsamples(own_local_params=owned):
             return svi.step(*workload.args)
 
-    def state_bytes() -> int:
+    def held_bytes() -> int:
         optimizers = getattr(optim, "optim_objs", {}).values()
-        return _bytes(dict(store_parameters()).values(), optimizers)
+        return state_bytes(dict(store_parameters()).values(), optimizers)
 
-    return Training(step, store_parameters, state_bytes)
-
-
-def _bytes(parameters: Any, optimizers: Any) -> int:
-    """Bytes of ``parameters`` and of every tensor in the optimizers' state."""
-    total = sum(p.numel() * p.element_size() for p in parameters)
-    for optimizer in optimizers:
-        for state in optimizer.state.values():
-            total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-    return total
+    return Training(step, store_parameters, held_bytes)
 
 
 def ddp_training(workload: Workload) -> Training:
@@ -448,7 +440,7 @@ def ddp_training(workload: Workload) -> Training:
     return Training(
         step,
         lambda: sorted(elbo.named_parameters()),
-        lambda: _bytes(elbo.parameters(), [optimizer]),
+        lambda: state_bytes(elbo.parameters(), [optimizer]),
     )
 
 

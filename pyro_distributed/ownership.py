@@ -54,6 +54,7 @@ __all__ = [
     "register",
     "scale_local_grads",
     "split_local",
+    "state_bytes",
 ]
 
 
@@ -297,17 +298,13 @@ def gather_param(name: str, *, to: Destination = "main") -> Tensor | None:
     return None if gathered is None else gathered[name]
 
 
-def state_bytes(optim: Any = None) -> int:
-    """Bytes of this worker's parameters, plus ``optim``'s per-parameter state."""
-    total = sum(p.numel() * p.element_size() for _, p in pyro.get_param_store().named_parameters())
-    if optim is not None:
-        for optimizer in optim.optim_objs.values():
-            for state in optimizer.state.values():
-                total += sum(
-                    value.numel() * value.element_size()
-                    for value in state.values()
-                    if isinstance(value, Tensor)
-                )
+def state_bytes(parameters: Iterable[Tensor], optimizers: Iterable[Any]) -> int:
+    """Bytes of ``parameters`` plus every tensor in the torch optimizers' state:
+    what a worker holds for them (for example ``optim.optim_objs.values()``)."""
+    total = sum(p.numel() * p.element_size() for p in parameters)
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
     return total
 
 
