@@ -90,6 +90,8 @@ class Workload:
     model: Model
     guide: Model
     args: tuple[Any, ...]
+    #: Whether our configurations shard its subsampled plates across workers.
+    sharded_plates: bool = False
 
 
 # ---------------------------------------------------------------------------
@@ -273,7 +275,7 @@ def local_latents(points: int, generator: torch.Generator) -> Workload:
     def plates(x: Tensor) -> pyro.plate:
         return pyro.plate("data", len(x), subsample_size=LOCAL_BATCH)
 
-    return Workload(model, AutoNormal(model, create_plates=plates), (data,))
+    return Workload(model, AutoNormal(model, create_plates=plates), (data,), sharded_plates=True)
 
 
 SMALL_NAME = re.compile(r"small(\d+)")
@@ -395,9 +397,10 @@ def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -
     svi = SVI(workload.model, workload.guide, optim, Trace_ELBO())
 
     def step() -> float:
-        # Our configurations shard the plates' subsamples across workers;
-        # "ours-owned" also keeps each worker's block of local parameters only.
-        if not optim_name.startswith("ours"):
+        # Our configurations shard the local workloads' subsamples across
+        # workers; "ours-owned" also keeps each worker's block of local
+        # parameters only.
+        if not (optim_name.startswith("ours") and workload.sharded_plates):
             return svi.step(*workload.args)
         owned = optim_name == "ours-owned"
         with pyro_distributed.shard_subsamples(own_local_params=owned):
