@@ -39,6 +39,7 @@ from .consistency import assert_in_sync
 from .engines import Engine
 from .errors import PyroDistributedError
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
+from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .overlap import BackwardOverlap
 from .reduce import GradientAverager, Reduction
 
@@ -80,6 +81,11 @@ class DistributedOptimizer(PyroOptim):
     :param overlap: start averaging gradients during backward, as soon as a
         bucket's gradients are complete (:mod:`pyro_distributed.overlap`).
         Bitwise the same results as without; on by default.
+    :param noise_scale: ``True``, or a smoothing factor in (0, 1), measures the
+        gradient noise scale at every step (:meth:`noise_scale`,
+        :mod:`pyro_distributed.noise_scale`); needs two or more workers, else
+        ``ValueError`` here. The norms ride in the gradient buckets; results
+        are unchanged. ``False`` (default): off.
 
     Example::
 
@@ -141,6 +147,7 @@ class DistributedOptimizer(PyroOptim):
         compression: Compression = "none",
         multi_tensor: bool | None = None,
         overlap: bool = True,
+        noise_scale: bool | float = False,
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
@@ -171,6 +178,7 @@ class DistributedOptimizer(PyroOptim):
             check_every,
             overlap,
             multi_tensor,
+            noise_scale,
         )
 
     def _configure(
@@ -183,6 +191,7 @@ class DistributedOptimizer(PyroOptim):
         check_every: int | None = None,
         overlap: bool = True,
         multi_tensor: bool | None = None,
+        noise_scale: bool | float = False,
     ) -> None:
         """Set up the wrapper; shared by every constructor of this family."""
         if not isinstance(pyro_optim, PyroOptim):
@@ -209,7 +218,9 @@ class DistributedOptimizer(PyroOptim):
         self.num_steps = 0
         cap_bytes = max(1, int(bucket_cap_mb * 2**20))
         self._agreement = ParameterAgreement(engine, cap_bytes)
-        self._averager = GradientAverager(engine, cap_bytes, reduction)
+        self._noise = NoiseScaleEstimator.create(noise_scale, engine.world_size)
+        measure = self._noise is not None
+        self._averager = GradientAverager(engine, cap_bytes, reduction, measure)
         self._overlap = (
             BackwardOverlap(engine, self._averager) if overlap and engine.world_size > 1 else None
         )
@@ -234,6 +245,8 @@ class DistributedOptimizer(PyroOptim):
             return
         step, finite = self._average(params)
         if finite:
+            if self._noise is not None:  # before the wrapped optimizer clips
+                self._noise.observe(*self._averager.squared_norms())
             self._step_wrapped(list(step.tensors), *args, **kwargs)
         else:
             self._refuse_nonfinite(step.names, step.tensors)
@@ -305,6 +318,19 @@ class DistributedOptimizer(PyroOptim):
         if self.nonfinite == "raise":
             raise PyroDistributedError(message)
         warnings.warn(f"{message}; every worker skips this step", RuntimeWarning, stacklevel=3)
+
+    def noise_scale(self, batch_size: int | None = None) -> NoiseScale:
+        """The gradient noise scale measured so far (needs ``noise_scale=True``).
+
+        No communication: every worker holds the same figures. ``batch_size``,
+        the data points each worker's gradient uses per step, adds B_simple in
+        data points. ``print(optim.noise_scale(32))`` shows the figures and a
+        reading such as "more than about 6 workers at this batch size will
+        mostly waste compute".
+        """
+        if self._noise is None:
+            raise ValueError("noise_scale() needs DistributedOptimizer(..., noise_scale=True)")
+        return self._noise.estimate(batch_size)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Step the wrapped optimizer's learning-rate schedulers.
