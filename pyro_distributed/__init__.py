@@ -21,6 +21,7 @@ from .consistency import assert_in_sync
 from .data import ShardSampler, even_batches, shard, shard_indices
 from .errors import PyroDistributedError
 from .horovod_optim import HorovodOptimizer
+from .noise_scale import NoiseScale
 from .optim import DistributedOptimizer
 from .runtime import (
     all_mean,
@@ -33,15 +34,25 @@ from .runtime import (
     shutdown,
     world_size,
 )
+from .scaling import (
+    CollectiveCost,
+    ScalingProjection,
+    measure_collective,
+    project_scaling,
+    scaling_advice,
+)
 from .seeding import set_rng_seed
 from .subsample import shard_subsamples
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveCost",
     "DistributedOptimizer",
     "HorovodOptimizer",
+    "NoiseScale",
     "PyroDistributedError",
+    "ScalingProjection",
     "ShardSampler",
     "all_mean",
     "assert_in_sync",
@@ -52,8 +63,11 @@ __all__ = [
     "is_main",
     "load_checkpoint",
     "local_rank",
+    "measure_collective",
+    "project_scaling",
     "rank",
     "save_checkpoint",
+    "scaling_advice",
     "set_rng_seed",
     "shard",
     "shard_indices",
