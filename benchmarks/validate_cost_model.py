@@ -1,6 +1,6 @@
 """Check the cost model behind ``pd.scaling_advice`` against measured step times.
 
-    python benchmarks/validate_cost_model.py [--repeats 3] [--fit-on vae]
+    python benchmarks/validate_cost_model.py [--repeats 5] [--fit-on vae]
 
 For each main workload of the suite it runs, interleaved, ``ours`` on one
 worker (the compute time of a step, no communication) and on two workers
@@ -8,7 +8,7 @@ under torchrun, where the worker also fits the all-reduce cost
 (``--fit-cost``: latency + bytes / bandwidth from timed all-reduces of a few
 sizes, :func:`pyro_distributed.measure_collective`). Then, with the medians:
 
-1. on the ``--fit-on`` workload, the latency is re-fitted to its measured
+1. on the ``--fit-on`` workload (each in turn by default), the latency is re-fitted to its measured
    W=2 step (:meth:`CollectiveCost.in_step`: compute + all-reduce = step),
    keeping the fitted bandwidth;
 2. that cost predicts the W=2 step of every other workload as its own W=1
@@ -44,10 +44,43 @@ def run(config: Any, plan: Any, fit: bool) -> dict[str, Any]:
     return parse_result(run_together([command], RUN_TIMEOUT_S)[0])
 
 
+def report(fit_on: str, medians: dict[str, dict[str, float]]) -> None:
+    """Fit on ``fit_on``; print predicted against measured W=2 steps of every workload."""
+    source = medians[fit_on]
+    idle = CollectiveCost(source["latency_s"], source["bandwidth"], world_size=2)
+    fitted = idle.in_step(source["step_s"], source["compute_s"], source["gradient_bytes"])
+    print(
+        f"\nfitted on {fit_on} at W=2: idle all-reduce {1e6 * idle.latency_s:.0f} us + "
+        f"bytes / {idle.bandwidth / 1e9:.2f} GB/s; "
+        f"in a step, latency {1e3 * fitted.latency_s:.2f} ms"
+    )
+    print(
+        "| workload | gradient | W=1 compute | W=2 measured | predicted | error "
+        "| idle all-reduce only | error |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for workload, m in medians.items():
+        predicted = m["compute_s"] + fitted.seconds(m["gradient_bytes"])
+        naive = m["compute_s"] + idle.seconds(m["gradient_bytes"])
+        mark = " (fit)" if workload == fit_on else ""
+        print(
+            f"| {workload}{mark} | {m['gradient_bytes'] / 1e3:.0f} kB "
+            f"| {1e3 * m['compute_s']:.2f} ms "
+            f"| {1e3 * m['step_s']:.2f} ms | {1e3 * predicted:.2f} ms "
+            f"| {100 * (predicted / m['step_s'] - 1):+.0f} % | {1e3 * naive:.2f} ms "
+            f"| {100 * (naive / m['step_s'] - 1):+.0f} % |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--fit-on", default="vae", choices=[plan.workload for plan in MAIN])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--fit-on",
+        nargs="+",
+        choices=[plan.workload for plan in MAIN],
+        help="workloads to fit on, one table each (default: every one in turn)",
+    )
     parser.add_argument("--json-out", type=Path, help="also write the medians here")
     args = parser.parse_args()
 
@@ -81,30 +114,8 @@ def main() -> None:
         }
         for workload in records
     }
-    source = medians[args.fit_on]
-    idle = CollectiveCost(source["latency_s"], source["bandwidth"], world_size=2)
-    fitted = idle.in_step(source["step_s"], source["compute_s"], source["gradient_bytes"])
-    print(
-        f"\nfitted on {args.fit_on} at W=2: idle all-reduce {1e6 * idle.latency_s:.0f} us + "
-        f"bytes / {idle.bandwidth / 1e9:.2f} GB/s; "
-        f"in a step, latency {1e3 * fitted.latency_s:.2f} ms"
-    )
-    print(
-        "| workload | gradient | W=1 compute | W=2 measured | predicted | error "
-        "| idle all-reduce only | error |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for workload, m in medians.items():
-        predicted = m["compute_s"] + fitted.seconds(m["gradient_bytes"])
-        naive = m["compute_s"] + idle.seconds(m["gradient_bytes"])
-        mark = " (fit)" if workload == args.fit_on else ""
-        print(
-            f"| {workload}{mark} | {m['gradient_bytes'] / 1e3:.0f} kB "
-            f"| {1e3 * m['compute_s']:.2f} ms "
-            f"| {1e3 * m['step_s']:.2f} ms | {1e3 * predicted:.2f} ms "
-            f"| {100 * (predicted / m['step_s'] - 1):+.0f} % | {1e3 * naive:.2f} ms "
-            f"| {100 * (naive / m['step_s'] - 1):+.0f} % |"
-        )
+    for fit_on in args.fit_on or list(medians):
+        report(fit_on, medians)
     if args.json_out is not None:
         args.json_out.write_text(json.dumps({"medians": medians, "records": records}, indent=1))
 

@@ -187,15 +187,6 @@ def measured_against_exact(overlap: bool, compression: str) -> list[dict[str, fl
     return records
 
 
-def noise_scale_or_refusal() -> list[dict[str, float]] | str:
-    """For the Horovod suite (any engine): the records at W >= 2, the refusal at W=1."""
-    if pd.world_size() > 1:
-        return measured_against_exact(overlap=True, compression="none")
-    with pytest.raises(ValueError) as refusal:
-        measured_against_exact(overlap=True, compression="none")
-    return str(refusal.value)
-
-
 @pytest.mark.parametrize(
     ("overlap", "compression", "rel"),
     [(True, "none", 1e-4), (False, "none", 1e-4), (True, "fp16", 1e-2), (False, "bf16", 5e-2)],
