@@ -170,6 +170,7 @@ def run_config(config: Config, plan: Plan) -> Run:
         "ms_per_step": max(float(r["ms_per_step"]) for r in records),
         "param_tensors": int(records[0]["param_tensors"]),
         "params_in_sync": all(bool(r["params_in_sync"]) for r in records),
+        "state_bytes": max(int(r.get("state_bytes", 0)) for r in records),
     }
 
 

@@ -20,6 +20,8 @@ from typing import Literal
 
 __all__ = [
     "CONFIGS",
+    "LOCAL_CONFIGS",
+    "LOCAL_PLANS",
     "PEERS",
     "PLANS",
     "SWEEP_CONFIGS",
@@ -50,6 +52,8 @@ class Config:
     launcher: Launcher
     workers: int = 1
     baseline: str | None = None
+    #: Runs only on plans that name it, not on those that take every configuration.
+    named_only: bool = False
 
     @property
     def needs_horovod(self) -> bool:
@@ -68,6 +72,10 @@ CONFIGS: tuple[Config, ...] = (
     Config("ours-horovod-w2", "ours", "horovodrun", workers=2, baseline="plain-x2"),
     Config("pyro-horovod-w2", "pyro-horovod", "horovodrun", workers=2, baseline="plain-x2"),
     Config("ddp-w2", "ddp", "torchrun", workers=2, baseline="plain-x2"),
+    # Local parameters owned by their worker (run by bench_local.py only).
+    Config(
+        "ours-owned-w2", "ours-owned", "torchrun", workers=2, baseline="plain-x2", named_only=True
+    ),
 )
 
 # The peers every two-worker configuration is compared with, by throughput.
@@ -102,7 +110,9 @@ class Plan:
     main: bool = True
 
     def runs(self, config: Config) -> bool:
-        return self.configs is None or config.name in self.configs
+        if self.configs is None:
+            return not config.named_only
+        return config.name in self.configs
 
 
 PLANS: tuple[Plan, ...] = (
@@ -113,6 +123,24 @@ PLANS: tuple[Plan, ...] = (
     Plan("small10", steps=100, warmup=10, configs=SWEEP_CONFIGS, main=False),
     Plan("small40", steps=60, warmup=10, configs=SWEEP_CONFIGS, main=False),
     Plan("small100", steps=30, warmup=5, configs=SWEEP_CONFIGS, main=False),
+)
+
+
+# Per-data-point variational parameters (benchmarks/bench_local.py): N local
+# rows of 8 floats, a batch of 256 per worker. Its own command, not part of
+# the main suite: the largest N takes minutes per configuration.
+LOCAL_CONFIGS: tuple[str, ...] = (
+    "plain",
+    "ours-w2",
+    "ours-owned-w2",
+    "pyro-horovod-w2",
+    "ddp-w2",
+)
+LOCAL_PLANS: tuple[Plan, ...] = (
+    Plan("local10000", steps=40, warmup=5, configs=LOCAL_CONFIGS, main=False),
+    Plan("local100000", steps=30, warmup=5, configs=LOCAL_CONFIGS, main=False),
+    Plan("local1000000", steps=10, warmup=3, configs=LOCAL_CONFIGS, main=False),
+    Plan("local4000000", steps=5, warmup=2, configs=LOCAL_CONFIGS, main=False),
 )
 
 

@@ -58,6 +58,11 @@ SMALL_BATCH = 256
 HIDDEN = 1000
 LARGE_BATCH = 512
 
+# localN: N data points with a local 8-dimensional latent each (AutoNormal with
+# create_plates): 2N x 8 local variational parameters, a subsample per step.
+LOCAL_DIM = 8
+LOCAL_BATCH = 256
+
 # vae: the example's networks, at its default sizes, on a fixed batch per worker.
 VAE_HIDDEN = 128
 VAE_LATENT = 4
@@ -70,6 +75,7 @@ OPTIMS = (
     "ours-fp16",
     "ours-pp",
     "ours-noise",
+    "ours-owned",
     "pyro-horovod",
     "ddp",
 )
@@ -245,7 +251,33 @@ def vae(generator: torch.Generator, as_modules: bool) -> Workload:
     return Workload(network.model, network.guide, args)
 
 
+# ---------------------------------------------------------------------------
+# localN: per-data-point variational parameters, the case for ownership.
+
+
+def local_latents(points: int, generator: torch.Generator) -> Workload:
+    """A global mean and one latent vector per data point, each point observed once.
+
+    AutoNormal with ``create_plates`` gives every point a location and a scale
+    of LOCAL_DIM floats (event_dim 1 inside the "data" plate): the local
+    parameters that ``shard_subsamples(own_local_params=True)`` splits.
+    """
+    data = torch.randn(points, LOCAL_DIM, generator=generator) + 1.0
+
+    def model(x: Tensor) -> None:
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0).expand([LOCAL_DIM]).to_event(1))
+        with pyro.plate("data", len(x), subsample_size=LOCAL_BATCH) as idx:
+            z = pyro.sample("z", dist.Normal(mu, 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z, 0.5).to_event(1), obs=x[idx])
+
+    def plates(x: Tensor) -> pyro.plate:
+        return pyro.plate("data", len(x), subsample_size=LOCAL_BATCH)
+
+    return Workload(model, AutoNormal(model, create_plates=plates), (data,))
+
+
 SMALL_NAME = re.compile(r"small(\d+)")
+LOCAL_NAME = re.compile(r"local(\d+)")
 
 
 def build_workload(name: str, generator: torch.Generator, as_modules: bool) -> Workload:
@@ -258,6 +290,10 @@ def build_workload(name: str, generator: torch.Generator, as_modules: bool) -> W
         return large1m(generator, as_modules)
     if name == "vae":
         return vae(generator, as_modules)
+    local = LOCAL_NAME.fullmatch(name)
+    if local is not None:
+        # The same data on every worker, as a data set they share.
+        return local_latents(int(local[1]), torch.Generator().manual_seed(SEED))
     return small(small_tensors(name), generator)
 
 
@@ -271,7 +307,7 @@ def small_tensors(name: str) -> int:
 
 def workload_name(name: str) -> str:
     """argparse type: a workload name that :func:`build_workload` accepts."""
-    if name not in ("large1m", "vae"):
+    if name not in ("large1m", "vae") and not LOCAL_NAME.fullmatch(name):
         try:
             small_tensors(name)
         except ValueError as exc:
@@ -289,6 +325,8 @@ class Training:
 
     step: Callable[[], float]
     parameters: Callable[[], Sequence[tuple[str, Tensor]]]
+    #: Bytes of this worker's parameters and optimizer state.
+    state_bytes: Callable[[], int]
 
 
 def start_engine(optim: str) -> None:
@@ -322,6 +360,8 @@ def make_optimizer(name: str, options: dict[str, Any]) -> PyroOptim:
         return pyro_distributed.DistributedOptimizer(adam, multi_tensor=False, **options)
     if name == "ours-noise":
         return pyro_distributed.DistributedOptimizer(adam, noise_scale=True, **options)
+    if name == "ours-owned":
+        return pyro_distributed.DistributedOptimizer(adam, **options)
     if name == "pyro-horovod":
         return pyro.optim.HorovodOptimizer(adam)
     raise ValueError(f"no Pyro optimizer for --optim {name!r}")
@@ -353,8 +393,32 @@ def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -
     """SVI with the optimizer that ``optim_name`` names."""
     if optim_name == "pyro-horovod" and pyro_distributed.world_size() > 1:
         broadcast_store_from_worker_0(workload)
-    svi = SVI(workload.model, workload.guide, make_optimizer(optim_name, options), Trace_ELBO())
-    return Training(lambda: svi.step(*workload.args), store_parameters)
+    optim = make_optimizer(optim_name, options)
+    svi = SVI(workload.model, workload.guide, optim, Trace_ELBO())
+
+    def step() -> float:
+        # Our configurations shard the plates' subsamples across workers;
+        # "ours-owned" also keeps each worker's block of local parameters only.
+        if not optim_name.startswith("ours"):
+            return svi.step(*workload.args)
+        owned = optim_name == "ours-owned"
+        with pyro_distributed.shard_subsamples(own_local_params=owned):
+            return svi.step(*workload.args)
+
+    def state_bytes() -> int:
+        optimizers = getattr(optim, "optim_objs", {}).values()
+        return _bytes(dict(store_parameters()).values(), optimizers)
+
+    return Training(step, store_parameters, state_bytes)
+
+
+def _bytes(parameters: Any, optimizers: Any) -> int:
+    """Bytes of ``parameters`` and of every tensor in the optimizers' state."""
+    total = sum(p.numel() * p.element_size() for p in parameters)
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+    return total
 
 
 def ddp_training(workload: Workload) -> Training:
@@ -384,7 +448,11 @@ def ddp_training(workload: Workload) -> Training:
         optimizer.step()
         return float(loss.detach())  # svi.step returns the loss as a float too
 
-    return Training(step, lambda: sorted(elbo.named_parameters()))
+    return Training(
+        step,
+        lambda: sorted(elbo.named_parameters()),
+        lambda: _bytes(elbo.parameters(), [optimizer]),
+    )
 
 
 def time_steps(training: Training, steps: int, warmup: int) -> float:
@@ -428,7 +496,7 @@ def fitted_cost(parameters: Sequence[tuple[str, Tensor]]) -> dict[str, float]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument(
-        "--workload", type=workload_name, required=True, help="small<N>, large1m or vae"
+        "--workload", type=workload_name, required=True, help="small<N>, local<N>, large1m or vae"
     )
     parser.add_argument("--optim", choices=OPTIMS, required=True)
     parser.add_argument("--steps", type=int, default=50, help="timed steps")
@@ -468,8 +536,11 @@ def main() -> None:
     training = prepare(args.workload, args.optim, options)
     seconds = time_steps(training, args.steps, args.warmup)
     parameters = training.parameters()
-    synced = in_sync(parameters)
-    cost = fitted_cost(parameters) if args.fit_cost else {}
+    # Local parameters differ across workers by design: compare the rest.
+    local = pyro_distributed.ownership.local_params()
+    shared = [(name, value) for name, value in parameters if name not in local]
+    synced = in_sync(shared)
+    cost = fitted_cost(shared) if args.fit_cost else {}
     if pyro_distributed.is_main():
         line = json.dumps(
             {
@@ -481,6 +552,7 @@ def main() -> None:
                 "steps": args.steps,
                 "param_tensors": len(parameters),
                 "params_in_sync": synced,
+                "state_bytes": training.state_bytes(),
             }
         )
         print(line, flush=True)

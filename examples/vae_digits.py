@@ -24,9 +24,10 @@ The data-parallel pieces, all from ``pyro_distributed`` (``pd``):
   an unbiased estimate of the full training ELBO, and so is the average.
 * ``pd.DistributedOptimizer`` averages the gradients across workers before
   Adam steps, so all workers keep identical networks, and ``pd.all_mean`` turns
-  the workers' losses into the global ELBO that worker 0 shows. The held-out
-  ELBO is averaged the same way: each worker estimates it on all 297 images
-  with its own guide samples.
+  the workers' losses into the global ELBO that worker 0 shows.
+* ``pd.evaluate_loss`` computes the held-out ELBO once over the 297 images:
+  each worker evaluates its own block of them (blocks of 149 and 148 on two
+  workers), and the parts are added in one collective.
 * With two or more workers, ``noise_scale=True`` measures the gradient noise
   scale B_simple at every step, from the norms that ride in the gradient
   sums; the figure shows it over training and the end of the run prints how
@@ -133,13 +134,22 @@ class VAE(nn.Module):
         return dist.ContinuousBernoulli(logits=self.decoder(z)).mean
 
 
+def evaluation_elbo(particles: int) -> Trace_ELBO:
+    """The ELBO estimator for evaluation: all particles drawn at once, as one
+    more batch dimension, which is several times faster than one by one."""
+    return Trace_ELBO(num_particles=particles, vectorize_particles=True, max_plate_nesting=1)
+
+
 def held_out_elbo(vae: VAE, images: Tensor, particles: int) -> float:
-    """The held-out ELBO per image, averaged over every worker's independent guide samples."""
-    elbo = Trace_ELBO(num_particles=particles)
-    indices = torch.arange(len(images))
-    with torch.no_grad():
-        loss = elbo.loss(vae.model, vae.guide, images, indices, len(images))
-    return -pd.all_mean(loss) / len(images)
+    """The held-out ELBO per image, each image evaluated once, on one of the workers.
+
+    The model's plate spans ``size`` images, the whole held-out set, so
+    evaluate_loss weighs each worker's block by its share of the images.
+    """
+    data = (images, torch.arange(len(images)))
+    elbo = evaluation_elbo(particles)
+    loss = pd.evaluate_loss(elbo, vae.model, vae.guide, data, size=len(images))
+    return -loss / len(images)
 
 
 def draw_noise_scale(axis: Axes, b_simple: list[float], advice: str) -> None:
@@ -271,7 +281,9 @@ def main() -> None:
     bar.close()
     elapsed = time.perf_counter() - started
 
+    evaluation_started = time.perf_counter()
     elbo = held_out_elbo(vae, held_out, particles=10)
+    evaluation = time.perf_counter() - evaluation_started
     pd.save_checkpoint(args.checkpoint, optim)
     noise = optim.noise_scale(batch_size=args.batch_size) if measure else None
     if pd.is_main():
@@ -281,6 +293,10 @@ def main() -> None:
             print(noise)
         print(f"trained {len(losses)} steps in {elapsed:.1f} s")
         print(f"held-out ELBO per image: {elbo:.3f} nats")
+        print(
+            f"evaluated {len(held_out)} held-out images on {pd.world_size()} worker(s) "
+            f"in {evaluation:.3f} s"
+        )
         print(f"figure: {args.figure}")
         print(f"checkpoint: {args.checkpoint}")
     pd.shutdown()

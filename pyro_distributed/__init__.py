@@ -20,11 +20,17 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .consistency import assert_in_sync
 from .data import ShardSampler, even_batches, shard, shard_indices
 from .errors import PyroDistributedError
+from .evaluate import evaluate_loss
 from .horovod_optim import HorovodOptimizer
 from .noise_scale import NoiseScale
 from .optim import DistributedOptimizer
+from .ownership import gather_param, local_rows
+from .plates import data_plate
+from .predictive import Predictive
 from .runtime import (
     all_mean,
+    all_workers,
+    any_worker,
     barrier,
     current_engine,
     init,
@@ -51,18 +57,25 @@ __all__ = [
     "DistributedOptimizer",
     "HorovodOptimizer",
     "NoiseScale",
+    "Predictive",
     "PyroDistributedError",
     "ScalingProjection",
     "ShardSampler",
     "all_mean",
+    "all_workers",
+    "any_worker",
     "assert_in_sync",
     "barrier",
     "current_engine",
+    "data_plate",
+    "evaluate_loss",
     "even_batches",
+    "gather_param",
     "init",
     "is_main",
     "load_checkpoint",
     "local_rank",
+    "local_rows",
     "measure_collective",
     "project_scaling",
     "rank",

@@ -11,13 +11,17 @@ Saving and loading are collectives, called on every worker:
   checkpoint as it was. Every worker learns whether the write succeeded.
 * :func:`load_checkpoint` has worker 0 read and check the file and send its
   bytes to the others, so only worker 0 needs to see the file system.
+
+Local parameters (:mod:`pyro_distributed.ownership`) are the exception: each
+worker writes and reads its own blocks of them, beside worker 0's file, and
+they are re-partitioned when the number of workers changed
+(:mod:`pyro_distributed.block_checkpoint`).
 """
 
 from __future__ import annotations
 
 import io
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +29,23 @@ import pyro
 import pyro.util
 import torch
 
+from . import ownership
+from .block_checkpoint import (
+    load_blocks,
+    new_token,
+    remove_blocks,
+    save_blocks,
+    write_atomically,
+)
 from .errors import PyroDistributedError
 from .optim import DistributedOptimizer
-from .seeding import shared_generator
+from .seeding import block_generator, shared_generator
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 _FORMAT = "pyro_distributed.checkpoint"
-_VERSION = 1
+# Version 2 added local parameters' blocks.
+_VERSION = 2
 
 
 def save_checkpoint(path: str | os.PathLike[str], optim: DistributedOptimizer) -> None:
@@ -53,30 +66,53 @@ def save_checkpoint(path: str | os.PathLike[str], optim: DistributedOptimizer) -
     """
     _check_optim(optim)
     engine = optim.engine
-    rng_states = engine.allgather_object(pyro.util.get_rng_state())
+    target = Path(path)
+    rng_states = engine.allgather_object((pyro.util.get_rng_state(), block_generator().get_state()))
+    store = pyro.get_param_store()
+    local = {name: p for name, p in ownership.local_params().items() if name in store}
+    optim_state = optim.get_state()
+    token = None
+    if local:
+        token = new_token(engine)
+        values = dict(store.named_parameters())
+        save_blocks(target, token, engine, local, values, optim_state)
     failure = None
     if engine.rank == 0:
-        store = pyro.get_param_store()
+        saved_store = store.get_state()
         state = {
             "format": _FORMAT,
             "version": _VERSION,
             "world_size": engine.world_size,
             "num_steps": optim.num_steps,
-            "param_store": store.get_state(),
-            "optim": optim.get_state(),
+            "param_store": {
+                "params": _without(saved_store["params"], local),
+                "constraints": saved_store["constraints"],
+            },
+            "optim": _without(optim_state, local),
             "rng": rng_states,
             "shared_rng": shared_generator().get_state(),
+            "local": None
+            if token is None
+            else {
+                "token": token,
+                "world_size": engine.world_size,
+                "params": {name: (p.plate, p.size, p.axis) for name, p in local.items()},
+            },
         }
         try:
-            _write_atomically(Path(path), state)
+            write_atomically(target, state)
         except Exception as exc:  # reported to every worker below
             failure = f"{type(exc).__name__}: {exc}"
     failure = engine.allgather_object(failure)[0]
     if failure is not None:
+        if token is not None:
+            remove_blocks(target, token, only_rank=engine.rank)
         raise PyroDistributedError(
             f"worker 0 could not write the checkpoint {os.fspath(path)!r} ({failure}); "
             f"the previous file there, if any, is intact"
         )
+    if engine.rank == 0:
+        remove_blocks(target, keep=token)  # the previous checkpoint's, now superseded
 
 
 def load_checkpoint(
@@ -113,30 +149,44 @@ def load_checkpoint(
     """
     _check_optim(optim)
     engine = optim.engine
-    found: tuple[str, str] | bytes | None = None
+    found: tuple[str, str] | tuple[bytes, str] | None = None
     if engine.rank == 0:
         found = _read_checked(Path(path))
     found = engine.allgather_object(found)[0]
-    if isinstance(found, tuple):
+    assert found is not None
+    if isinstance(found[0], str):
         kind, message = found
         if kind == "missing" and missing_ok:
             return 0
         raise FileNotFoundError(message) if kind == "missing" else ValueError(message)
-    assert isinstance(found, bytes)
-    state = _deserialize(found)
-    _check_compatible(os.fspath(path), state)
+    raw, where = found
+    assert isinstance(raw, bytes)
+    state = _deserialize(raw)
+    meta = state.get("local")
+    local = {
+        name: ownership.LocalParam(name, *spec)
+        for name, spec in (meta or {"params": {}})["params"].items()
+    }
+    _check_compatible(os.fspath(path), state, local)
 
-    _restore_param_store(state["param_store"])
+    _restore_param_store(state["param_store"], local)
+    local_state: dict[str, Any] = {}
+    if meta is not None:
+        # Each worker reads the blocks it needs, from where worker 0 found the checkpoint.
+        values, local_state = load_blocks(Path(where), meta, local)
+        _restore_local(values, local, state["param_store"]["constraints"])
     optim._forget_parameters()
-    optim.set_state(state["optim"])
+    optim.set_state({**state["optim"], **local_state})
     optim.num_steps = state["num_steps"]
     shared_generator().set_state(state["shared_rng"])
     if state["world_size"] == engine.world_size:
-        pyro.util.set_rng_state(state["rng"][engine.rank])
+        rng, blocks = state["rng"][engine.rank]
+        pyro.util.set_rng_state(rng)
+        block_generator().set_state(blocks)
     return int(state["num_steps"])
 
 
-def _restore_param_store(saved: dict[str, Any]) -> None:
+def _restore_param_store(saved: dict[str, Any], local: dict[str, Any]) -> None:
     """Put the saved values into the param store.
 
     Parameters that already exist are overwritten in place, not replaced:
@@ -150,7 +200,29 @@ def _restore_param_store(saved: dict[str, Any]) -> None:
             if name in current:
                 current[name].copy_(value)
     fresh = {name: value for name, value in saved["params"].items() if name not in current}
-    store.set_state({"params": fresh, "constraints": saved["constraints"]})
+    constraints = {name: c for name, c in saved["constraints"].items() if name not in local}
+    store.set_state({"params": fresh, "constraints": constraints})
+
+
+def _restore_local(
+    values: dict[str, torch.Tensor],
+    local: dict[str, ownership.LocalParam],
+    constraints: dict[str, Any],
+) -> None:
+    """Install this worker's rows of each local parameter, bit for bit."""
+    store = pyro.get_param_store()
+    current = dict(store.named_parameters())
+    ownership.forget(local)
+    for name, value in values.items():
+        ownership.register(local[name])
+        if name in current and current[name].shape == value.shape:
+            with torch.no_grad():
+                current[name].copy_(value)
+        elif name in current:
+            ownership.replace_unconstrained(name, value)  # it still held all N rows
+        else:
+            fresh = value.clone().requires_grad_(True)
+            store.set_state({"params": {name: fresh}, "constraints": {name: constraints[name]}})
 
 
 def _check_optim(optim: object) -> None:
@@ -161,17 +233,8 @@ def _check_optim(optim: object) -> None:
         )
 
 
-def _write_atomically(path: Path, state: dict[str, Any]) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+def _without(entries: dict[str, Any], names: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in entries.items() if name not in names}
 
 
 def _deserialize(raw: bytes) -> dict[str, Any]:
@@ -179,8 +242,8 @@ def _deserialize(raw: bytes) -> dict[str, Any]:
     return state
 
 
-def _read_checked(path: Path) -> tuple[str, str] | bytes:
-    """The file's bytes if they hold a checkpoint, else (kind, message) for every worker."""
+def _read_checked(path: Path) -> tuple[str, str] | tuple[bytes, str]:
+    """The file's bytes and where it is, if it holds a checkpoint, else (kind, message)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -199,18 +262,23 @@ def _read_checked(path: Path) -> tuple[str, str] | bytes:
             f"the checkpoint {os.fspath(path)!r} has format version {state['version']}; "
             f"this pyro_distributed reads version {_VERSION} and older"
         )
-    return raw
+    return raw, os.fspath(path.resolve())
 
 
-def _check_compatible(path: str, state: dict[str, Any]) -> None:
+def _check_compatible(path: str, state: dict[str, Any], local: dict[str, Any]) -> None:
     """Refuse a checkpoint whose parameters contradict the ones already created."""
     saved = state["param_store"]["params"]
     current = dict(pyro.get_param_store().named_parameters())
-    unknown = sorted(set(current) - set(saved))
+    unknown = sorted(set(current) - set(saved) - set(local))
     reshaped = sorted(
         name
         for name in set(current) & set(saved)
         if current[name].shape != saved[name].shape or current[name].dtype != saved[name].dtype
+    )
+    reshaped += sorted(
+        name
+        for name in set(current) & set(local)
+        if current[name].shape[local[name].axis] not in (local[name].size, len(local[name].rows))
     )
     if unknown or reshaped:
         details = []
@@ -218,8 +286,13 @@ def _check_compatible(path: str, state: dict[str, Any]) -> None:
             details.append(f"parameters {unknown} exist now but not in the checkpoint")
         if reshaped:
             shown = ", ".join(
-                f"{name!r}: {list(saved[name].shape)} {saved[name].dtype} saved, "
-                f"{list(current[name].shape)} {current[name].dtype} now"
+                f"{name!r}: "
+                + (
+                    f"{list(saved[name].shape)} {saved[name].dtype} saved"
+                    if name in saved
+                    else f"{local[name].size} rows along plate {local[name].plate!r} saved"
+                )
+                + f", {list(current[name].shape)} {current[name].dtype} now"
                 for name in reshaped
             )
             details.append(f"parameters differ in shape or dtype ({shown})")

@@ -4,7 +4,9 @@ Averaging keeps workers bitwise identical only if everything else does too:
 the same optimizer arguments, no per-worker edits to the param store, no
 second-order optimizer working on a local Hessian. :func:`assert_in_sync`
 checks, in one collective, a checksum of every parameter and every
-per-parameter optimizer state, and names the first that differs.
+per-parameter optimizer state, and names the first that differs. Local
+parameters (:mod:`pyro_distributed.ownership`) are left out: each worker
+holds its own rows of them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from . import runtime
 from .engines import Engine
 from .errors import PyroDistributedError
+from .ownership import local_params
 
 if TYPE_CHECKING:
     from .optim import DistributedOptimizer
@@ -65,15 +68,19 @@ def assert_in_sync(optim: DistributedOptimizer | None = None) -> None:
         A collective: call it on every worker at the same point.
     """
     engine: Engine = optim.engine if optim is not None else runtime.current_engine()
+    # Local parameters differ across workers by design: each holds its own rows.
+    local = local_params()
     entries = [
         (f"parameter {name!r}", _checksum(value))
         for name, value in sorted(pyro.get_param_store().named_parameters())
+        if name not in local
     ]
     if optim is not None:
         state = optim.get_state()
         entries += [
             (f"optimizer state of {name!r}", _checksum(state[name]))
             for name in sorted(state, key=str)
+            if name not in local
         ]
     views = engine.allgather_object(entries)
     if all(view == views[0] for view in views):

@@ -1,12 +1,21 @@
 """Each worker's share of a data set: indices, tensors, and a DataLoader sampler.
 
-Every worker must take the same number of steps per epoch, so shards always
-have equal lengths. With n items on W workers, ``uneven="drop"`` (default)
-gives each worker n // W items and leaves out the n % W left over (with
-shuffling, different ones each epoch, so nothing is left out for good);
-``uneven="pad"`` gives each worker ceil(n / W) items, repeating the first few
-of the order to fill the last shards. Shards are strided (worker r takes
-positions r, r + W, ...) over one order shared by all workers.
+Shards are strided (worker r takes positions r, r + W, ...) over one order
+shared by all workers. With n items on W workers, n % W items are left over,
+and there are three ways to deal with them:
+
+* ``uneven="split"`` keeps every item exactly once: the first n % W workers
+  get one item more. This is the default of :func:`shard`, whose shard is
+  used whole at every step; :func:`~pyro_distributed.data_plate` scales each
+  worker's plate so that the averaged gradient is still the full-data one.
+* ``uneven="drop"`` gives each worker n // W items and leaves out the rest
+  (with shuffling, different ones each epoch, so nothing is left out for good).
+* ``uneven="pad"`` gives each worker ceil(n / W) items, repeating the first
+  few of the order to fill the last shards.
+
+Mini-batch loops need shards of equal lengths, so that every worker takes
+the same number of steps per epoch: :class:`ShardSampler` and
+:func:`shard_indices` default to ``"drop"``.
 """
 
 from __future__ import annotations
@@ -16,14 +25,28 @@ from typing import Literal, TypeVar
 
 import torch
 from torch import Tensor
-from torch.utils.data import Sampler
+from torch.utils.data import Sampler, TensorDataset
 
 from . import runtime
+from .plates import RowOrigin, record_origin
+from .seeding import derived_seed
 
-__all__ = ["ShardSampler", "even_batches", "shard", "shard_indices"]
+__all__ = [
+    "Data",
+    "ShardSampler",
+    "block_batches",
+    "block_range",
+    "data_columns",
+    "even_batches",
+    "shard",
+    "shard_indices",
+]
 
-Uneven = Literal["drop", "pad"]
+Uneven = Literal["split", "drop", "pad"]
 T = TypeVar("T")
+#: A data set whose rows are split across workers: a tensor, a tuple of
+#: tensors of equal length, or a ``TensorDataset``.
+Data = Tensor | tuple[Tensor, ...] | list[Tensor] | TensorDataset
 
 
 def shard_indices(
@@ -33,12 +56,12 @@ def shard_indices(
 
     :param shuffle: take the order from a permutation of ``range(n)`` seeded
         by ``(seed, epoch)``, the same on every worker.
-    :param uneven: ``"drop"`` or ``"pad"``; see the module documentation.
+    :param uneven: ``"drop"``, ``"pad"`` or ``"split"``; see the module documentation.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
-    if uneven not in ("drop", "pad"):
-        raise ValueError(f"uneven must be 'drop' or 'pad', got {uneven!r}")
+    if uneven not in ("split", "drop", "pad"):
+        raise ValueError(f"uneven must be 'split', 'drop' or 'pad', got {uneven!r}")
     workers, rank = runtime.world_size(), runtime.rank()
     if shuffle:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
@@ -47,7 +70,7 @@ def shard_indices(
         order = torch.arange(n)
     if uneven == "drop":
         order = order[: n - n % workers]
-    else:
+    elif uneven == "pad":
         if n == 0 and workers > 1:
             raise ValueError("cannot pad an empty data set")
         padding = -n % workers
@@ -55,16 +78,90 @@ def shard_indices(
     return order[rank::workers]
 
 
-def shard(data: Tensor, *, uneven: Uneven = "drop") -> Tensor:
-    """This worker's rows of ``data`` (a strided, equal-length share along dim 0).
+def shard(data: Tensor, *, uneven: Uneven = "split") -> Tensor:
+    """This worker's rows of ``data`` (a strided share along dim 0).
+
+    The shard remembers the size of ``data`` and where its rows sit in it, so
+    that :func:`~pyro_distributed.data_plate` gives the posterior of all of
+    ``data``. By default (``uneven="split"``) every row lands on exactly one
+    worker, even when ``len(data)`` does not divide by the number of workers.
 
     Example::
 
         x_mine, y_mine = pd.shard(x), pd.shard(y)
+
+        def model(x, y):
+            w = pyro.sample("w", dist.Normal(0.0, 1.0))
+            with pd.data_plate("data", x):  # the size of x, not of x_mine
+                pyro.sample("y", dist.Normal(w * x, 1.0), obs=y)
+
+        svi.step(x_mine, y_mine)
+
+    .. warning::
+        ``pyro.plate("data", len(x_mine))`` is the posterior of this worker's
+        rows only: its widths come out about sqrt(W) too wide. Use
+        :func:`~pyro_distributed.data_plate`, or ``pyro.plate("data", len(x),
+        subsample=pd.shard_indices(len(x)))``.
     """
     if not isinstance(data, Tensor):
         raise TypeError(f"shard takes a tensor, got {type(data).__name__}")
-    return data[shard_indices(len(data), uneven=uneven)]
+    indices = shard_indices(len(data), uneven=uneven)
+    # With shards of unequal length, Pyro's len(data) / len(shard) scaling
+    # would weigh the workers' rows unequally once gradients are averaged;
+    # W makes each worker's sum count once.
+    split = uneven == "split" and len(data) > 0
+    scale = runtime.world_size() * len(indices) / len(data) if split else 1.0
+    return record_origin(data[indices], RowOrigin(len(data), indices, scale))
+
+
+def block_range(n: int) -> range:
+    """This worker's contiguous block of ``range(n)``: every item on exactly one
+    worker, block lengths differing by at most one, blocks in rank order."""
+    workers, rank = runtime.world_size(), runtime.rank()
+    return range(rank * n // workers, (rank + 1) * n // workers)
+
+
+def data_columns(data: Data, what: str) -> tuple[Tensor, ...]:
+    """``data`` as a tuple of tensors of equal length along dim 0 (``what`` names
+    the caller in errors)."""
+    if isinstance(data, TensorDataset):
+        columns = tuple(data.tensors)
+    elif isinstance(data, Tensor):
+        columns = (data,)
+    elif isinstance(data, (tuple, list)):
+        columns = tuple(data)
+    else:
+        raise TypeError(
+            f"{what}: data must be a tensor, a tuple of tensors or a TensorDataset, "
+            f"got {type(data).__name__}"
+        )
+    if not columns:
+        raise ValueError(f"{what}: data holds no tensors")
+    for position, column in enumerate(columns):
+        if not isinstance(column, Tensor) or column.dim() == 0:
+            raise TypeError(
+                f"{what}: data[{position}] must be a tensor with at least one dimension, "
+                f"got {column!r:.60}"
+            )
+    lengths = [len(column) for column in columns]
+    if len(set(lengths)) > 1:
+        raise ValueError(f"{what}: the tensors of data have different lengths {lengths}")
+    return columns
+
+
+def block_batches(
+    columns: tuple[Tensor, ...], batch_size: int | None
+) -> Iterator[tuple[tuple[Tensor, ...], range]]:
+    """This worker's :func:`block_range` of the rows, in batches of ``batch_size``
+    (``None``: one batch). Each batch remembers its global size and indices, for
+    :func:`~pyro_distributed.data_plate`; yields the batch and its global rows."""
+    size = len(columns[0])
+    block = block_range(size)
+    step = batch_size or max(len(block), 1)
+    for start in range(block.start, block.stop, step):
+        rows = range(start, min(start + step, block.stop))
+        origin = RowOrigin(size, torch.arange(rows.start, rows.stop))
+        yield tuple(record_origin(c[rows.start : rows.stop], origin) for c in columns), rows
 
 
 class ShardSampler(Sampler[int]):
@@ -81,13 +178,32 @@ class ShardSampler(Sampler[int]):
             sampler.set_epoch(epoch)   # a new shared order each epoch
             for batch in loader:
                 svi.step(batch)
+
+    With ``by_block=True`` each worker keeps the same contiguous block of the
+    data set for the whole run (:func:`block_range`, the rows whose local
+    parameters it owns under ``shard_subsamples(own_local_params=True)``) and
+    only the order inside the block changes each epoch. Blocks may differ by
+    one item; ``uneven`` then drops the last item of the longer blocks, or
+    pads the shorter ones with their first, so all have the same length.
     """
 
     def __init__(
-        self, dataset: Sized, *, shuffle: bool = True, seed: int = 0, uneven: Uneven = "drop"
+        self,
+        dataset: Sized,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        uneven: Uneven = "drop",
+        by_block: bool = False,
     ) -> None:
+        if uneven == "split":
+            raise ValueError(
+                "ShardSampler needs shards of equal length (every worker takes the same "
+                "number of steps per epoch): use uneven='drop' or 'pad', not 'split'"
+            )
         self._length = len(dataset)
         self.shuffle, self.seed, self.uneven, self.epoch = shuffle, seed, uneven, 0
+        self.by_block = by_block
         shard_indices(self._length, uneven=uneven)  # check the arguments now
 
     def set_epoch(self, epoch: int) -> None:
@@ -95,9 +211,24 @@ class ShardSampler(Sampler[int]):
         self.epoch = epoch
 
     def _indices(self) -> Tensor:
+        if self.by_block:
+            return self._block_indices()
         return shard_indices(
             self._length, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch, uneven=self.uneven
         )
+
+    def _block_indices(self) -> Tensor:
+        block = block_range(self._length)
+        order = torch.arange(block.start, block.stop)
+        if self.shuffle:
+            stream = derived_seed(self.seed, self.epoch, runtime.rank())
+            order = order[
+                torch.randperm(len(order), generator=torch.Generator().manual_seed(stream))
+            ]
+        length = len(self)
+        if len(order) >= length:
+            return order[:length]
+        return torch.cat([order, order[: length - len(order)]])
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._indices().tolist())

@@ -25,8 +25,9 @@ Where the numbers come from: :class:`~pyro_distributed.reduce.GradientAverager`
 lets each worker's squared norm ride in the gradient buckets' sums, so
 ``small`` costs no collective; ``big`` is read from the averaged gradient.
 Both are taken before the wrapped optimizer steps, so clipping does not
-distort them. Steps whose averaged gradient is not finite are skipped by every
-worker and leave the averages alone.
+distort them. Local parameters (:mod:`pyro_distributed.ownership`) never
+travel and are not part of the measurement. Steps whose averaged gradient
+is not finite are skipped by every worker and leave the averages alone.
 
 Units: B_simple is in units of one worker's batch, so the critical number of
 workers at this batch size is about B_simple itself. If each worker's

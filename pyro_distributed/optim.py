@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
+import pyro
 import torch
 from pyro.optim import PyroOptim
 from torch import Tensor
@@ -41,6 +42,7 @@ from .errors import PyroDistributedError
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .overlap import BackwardOverlap
+from .ownership import LocalGradients, split_local
 from .reduce import GradientAverager, Reduction
 
 __all__ = ["DistributedOptimizer"]
@@ -219,11 +221,11 @@ class DistributedOptimizer(PyroOptim):
         cap_bytes = max(1, int(bucket_cap_mb * 2**20))
         self._agreement = ParameterAgreement(engine, cap_bytes)
         self._noise = NoiseScaleEstimator.create(noise_scale, engine.world_size)
-        measure = self._noise is not None
-        self._averager = GradientAverager(engine, cap_bytes, reduction, measure)
+        self._averager = GradientAverager(engine, cap_bytes, reduction, self._noise is not None)
         self._overlap = (
             BackwardOverlap(engine, self._averager) if overlap and engine.world_size > 1 else None
         )
+        self._local = LocalGradients(engine)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes this object lacks: read the wrapped
@@ -243,13 +245,19 @@ class DistributedOptimizer(PyroOptim):
         if self.engine.world_size == 1:
             self._step_wrapped(params, *args, **kwargs)
             return
+        # Local parameters (pyro_distributed.ownership) never travel.
+        params, local = split_local(params)
         step, finite = self._average(params)
+        if local:
+            finite = self._local.prepare(local) and finite
         if finite:
-            if self._noise is not None:  # before the wrapped optimizer clips
+            if self._noise is not None and step.tensors:  # before the wrapped optimizer clips
                 self._noise.observe(*self._averager.squared_norms())
-            self._step_wrapped(list(step.tensors), *args, **kwargs)
+            self._step_wrapped([*step.tensors, *local], *args, **kwargs)
         else:
-            self._refuse_nonfinite(step.names, step.tensors)
+            store = pyro.get_param_store()
+            names = [*step.names, *(store.param_name(p) or "?" for p in local)]
+            self._refuse_nonfinite(names, [*step.tensors, *local])
         for name, param in zip(step.names, step.tensors, strict=True):
             if name in step.borrowed:
                 # This worker's SVI will not zero it; a stale average must not
@@ -320,13 +328,10 @@ class DistributedOptimizer(PyroOptim):
         warnings.warn(f"{message}; every worker skips this step", RuntimeWarning, stacklevel=3)
 
     def noise_scale(self, batch_size: int | None = None) -> NoiseScale:
-        """The gradient noise scale measured so far (needs ``noise_scale=True``).
+        """The gradient noise scale so far (needs ``noise_scale=True``); no communication.
 
-        No communication: every worker holds the same figures. ``batch_size``,
-        the data points each worker's gradient uses per step, adds B_simple in
-        data points. ``print(optim.noise_scale(32))`` shows the figures and a
-        reading such as "more than about 6 workers at this batch size will
-        mostly waste compute".
+        ``batch_size`` (data points per worker per step) adds B_simple in data
+        points. ``print(optim.noise_scale(32))`` shows the figures and a reading.
         """
         if self._noise is None:
             raise ValueError("noise_scale() needs DistributedOptimizer(..., noise_scale=True)")

@@ -13,6 +13,7 @@ import math
 from datetime import timedelta
 from typing import TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,6 +22,8 @@ from .errors import PyroDistributedError
 
 __all__ = [
     "all_mean",
+    "all_workers",
+    "any_worker",
     "barrier",
     "current_engine",
     "float_mean",
@@ -171,3 +174,54 @@ def float_mean(engine: Engine, value: float) -> float:
     buffer = torch.tensor([value], dtype=torch.float64)
     engine.allreduce_([buffer], op="mean")
     return float(buffer.item())
+
+
+def any_worker(flag: bool | Tensor) -> bool:
+    """Whether ``flag`` is true on at least one worker; the same answer on every worker.
+
+    For decisions that every worker must take together, such as stopping early:
+    a worker that left the training loop alone would leave the others waiting
+    in their next step.
+
+    Example::
+
+        best, patience = float("inf"), 0
+        for step in range(max_steps):
+            loss = pd.all_mean(svi.step(x_mine))
+            patience = 0 if loss < best else patience + 1
+            best = min(best, loss)
+            if pd.any_worker(patience >= 100):  # every worker stops at this step
+                break
+
+    .. warning::
+        A collective: call it on every worker, at the same point.
+    """
+    return _reduce_flag(flag, "any_worker", negate=False)
+
+
+def all_workers(flag: bool | Tensor) -> bool:
+    """Whether ``flag`` is true on every worker; the same answer on every worker.
+
+    Example::
+
+        if pd.all_workers(converged_here):
+            break
+
+    .. warning::
+        A collective: call it on every worker, at the same point.
+    """
+    return not _reduce_flag(flag, "all_workers", negate=True)
+
+
+def _reduce_flag(flag: bool | Tensor, caller: str, *, negate: bool) -> bool:
+    if isinstance(flag, Tensor):
+        if flag.numel() != 1:
+            raise ValueError(f"{caller} takes one flag, got a tensor of shape {tuple(flag.shape)}")
+        flag = bool(flag.item())
+    if isinstance(flag, np.bool_):
+        flag = bool(flag)
+    if not isinstance(flag, bool):
+        raise TypeError(f"{caller} takes a bool (or a one-element tensor), got {flag!r}")
+    buffer = torch.tensor([int(flag != negate)], dtype=torch.int64)
+    current_engine().allreduce_([buffer], op="max")
+    return bool(buffer.item())

@@ -17,14 +17,24 @@ import torch
 
 from . import runtime
 
-__all__ = ["set_rng_seed", "shared_generator", "worker_seed"]
+__all__ = ["block_generator", "derived_seed", "set_rng_seed", "shared_generator", "worker_seed"]
 
 _shared = torch.Generator().manual_seed(0)
+# Draws inside this worker's own block of a plate: seeded from the rank, on
+# first use if set_rng_seed never ran, so that workers draw independently.
+_block: torch.Generator | None = None
+_BLOCK_STREAM = 1
+
+
+def derived_seed(seed: int, *path: int) -> int:
+    """A 32-bit seed for the stream named by ``path`` under ``seed``; streams
+    with different paths are independent."""
+    return int(np.random.SeedSequence([seed, *path]).generate_state(1, dtype=np.uint32)[0])
 
 
 def worker_seed(seed: int, rank: int) -> int:
     """The seed worker ``rank`` uses under ``set_rng_seed(seed)`` (fits in 32 bits)."""
-    return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint32)[0])
+    return derived_seed(seed, rank)
 
 
 def set_rng_seed(seed: int) -> None:
@@ -47,8 +57,17 @@ def set_rng_seed(seed: int) -> None:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     pyro.set_rng_seed(worker_seed(seed, runtime.rank()))
     _shared.manual_seed(seed)
+    block_generator().manual_seed(derived_seed(seed, runtime.rank(), _BLOCK_STREAM))
 
 
 def shared_generator() -> torch.Generator:
     """The generator whose draws are identical on every worker."""
     return _shared
+
+
+def block_generator() -> torch.Generator:
+    """This worker's generator for subsamples drawn inside its own block."""
+    global _block
+    if _block is None:
+        _block = torch.Generator().manual_seed(derived_seed(0, runtime.rank(), _BLOCK_STREAM))
+    return _block

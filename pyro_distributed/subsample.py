@@ -13,18 +13,31 @@ user-supplied ``subsample=`` is left alone, and the model replays the indices
 the guide drew under the same name (as SVI always does), so plates entered in
 both guide and model agree. Pyro's scaling by size / b is unchanged, so the
 average of the workers' gradients is an unbiased estimate from W*b points.
+
+With ``by_block=True`` (implied by ``own_local_params=True``) a subsampled
+plate is instead cut into W contiguous blocks, and worker r draws its b
+indices uniformly from block r, fresh at every draw; ``subsample=`` indices
+must lie in block r. Plates that are not subsampled are left whole. Blocks may differ in length by one, so every site inside such a
+plate is scaled by ``W * len(block) / size`` on top of Pyro's ``size / b``:
+each worker's loss then estimates its block's share times W, and the average
+over workers is unbiased for the whole plate. With ``own_local_params=True``
+the local parameters of such plates hold block r's rows only
+(:mod:`pyro_distributed.ownership`).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
-from . import runtime
-from .seeding import shared_generator
+from . import ownership, runtime
+from .data import block_range
+from .plates import shard_lengths
+from .seeding import block_generator, shared_generator
 
 __all__ = ["shard_subsamples"]
 
@@ -37,6 +50,17 @@ class shard_subsamples(Messenger):
     from the other workers' b, all drawn from one permutation shared by every
     worker and fresh at each draw.
 
+    :param by_block: draw worker r's indices from the r-th of W contiguous
+        blocks of each plate instead, so that a data point always lands on the
+        same worker.
+    :param own_local_params: ``by_block``, and every local parameter (one
+        declared with ``event_dim`` inside such a plate, as AutoGuides with
+        ``create_plates`` do) keeps only worker r's block of rows: memory
+        O(N/W) per worker and no traffic for its gradient, with bitwise the
+        values the replicated path computes. Read them with
+        :func:`~pyro_distributed.gather_param` and
+        :func:`~pyro_distributed.local_rows`.
+
     Example::
 
         pd.set_rng_seed(0)          # seeds the shared permutations too
@@ -44,22 +68,58 @@ class shard_subsamples(Messenger):
             with pd.shard_subsamples():
                 loss = svi.step(data)
 
-    :raises ValueError: when ``world_size * subsample_size`` exceeds a plate's size.
+    :raises ValueError: when ``world_size * subsample_size`` exceeds a plate's
+        size; under ``by_block``, when ``subsample_size`` exceeds a block or a
+        ``subsample=`` index lies outside this worker's block; under
+        ``own_local_params``, when a local parameter has neither the plate's
+        size nor the block's length along the plate, or is also used outside
+        its plate.
+
+    It also watches for the commonest mistake with sharded data: a plate
+    sized by this worker's shard, ``pyro.plate("data", len(x_mine))`` with
+    ``x_mine = pd.shard(x)``, which fits the posterior of the shard alone.
+    Such a plate gets a :class:`UserWarning` naming it and the fix
+    (:func:`~pyro_distributed.data_plate`).
 
     .. warning::
         Every worker must enter the same plates in the same order, as the
         shared generator advances once per subsampled plate. Seed it with
         :func:`pyro_distributed.set_rng_seed` (the same seed on every worker).
+
+    .. warning::
+        With ``own_local_params``, a plate must have the same size on every
+        worker, and the workers' blocks are fixed for the whole run: feed a
+        DataLoader with ``pd.ShardSampler(dataset, by_block=True)``. Use a
+        local parameter only inside its plate, and the same plate (by name and
+        size) every time.
     """
+
+    def __init__(self, *, by_block: bool = False, own_local_params: bool = False) -> None:
+        super().__init__()
+        for name, value in (("by_block", by_block), ("own_local_params", own_local_params)):
+            if not isinstance(value, bool):
+                raise TypeError(f"shard_subsamples: {name} must be True or False, got {value!r}")
+        self.own_local_params = own_local_params
+        self.by_block = by_block or own_local_params
+        # plate name -> (size, this step's global indices) for plates drawn by block
+        self._blocks: dict[str, tuple[int, torch.Tensor]] = {}
 
     def _pyro_sample(self, msg: Any) -> None:
         fn = msg["fn"]
-        if not isinstance(fn, _Subsample) or msg["value"] is not None:
+        if not isinstance(fn, _Subsample):
+            self._scale_for_blocks(msg)
+            return
+        workers, rank = runtime.world_size(), runtime.rank()
+        if self.by_block:
+            self._subsample_by_block(msg, fn)
+            return
+        if msg["value"] is not None:
             return
         size, per_worker = fn.size, fn.subsample_size
+        if workers > 1:
+            _warn_if_sized_by_a_shard(msg["name"], size)
         if per_worker is None or per_worker >= size:
             return  # no subsampling: every worker sees the whole plate
-        workers, rank = runtime.world_size(), runtime.rank()
         if workers * per_worker > size:
             raise ValueError(
                 f"plate {msg['name']!r}: {workers} workers x subsample_size {per_worker} "
@@ -68,3 +128,87 @@ class shard_subsamples(Messenger):
         permutation = torch.randperm(size, generator=shared_generator())
         mine = permutation[rank * per_worker : (rank + 1) * per_worker]
         msg["value"] = mine.to(fn.device)
+
+    def _subsample_by_block(self, msg: Any, fn: _Subsample) -> None:
+        name, size = msg["name"], fn.size
+        block = block_range(size)
+        if msg["value"] is None:
+            per_worker = fn.subsample_size
+            if per_worker is None or per_worker >= size:
+                return  # not subsampled: every worker sees the whole plate, as always
+            if per_worker > len(block):
+                raise ValueError(
+                    f"plate {name!r}: subsample_size {per_worker} exceeds worker "
+                    f"{runtime.rank()}'s block of {len(block)} of its {size} rows"
+                )
+            draw = torch.randperm(len(block), generator=block_generator())[:per_worker]
+            msg["value"] = (draw + block.start).to(fn.device)
+        indices = torch.as_tensor(msg["value"])
+        outside = indices[(indices < block.start) | (indices >= block.stop)]
+        if outside.numel():
+            raise ValueError(
+                f"plate {name!r}: subsample index {int(outside[0])} lies outside worker "
+                f"{runtime.rank()}'s block [{block.start}, {block.stop}) of its {size} rows; "
+                f"under by_block or own_local_params each worker keeps to its block "
+                f"(pd.ShardSampler(dataset, by_block=True) yields such indices)"
+            )
+        self._blocks[name] = (size, indices)
+
+    def _scale_for_blocks(self, msg: Any) -> None:
+        """Scale a site in a block-drawn plate by W * len(block) / size (see above)."""
+        for frame in msg["cond_indep_stack"]:
+            drawn = self._blocks.get(frame.name)
+            if drawn is not None and frame.full_size == drawn[0]:
+                size = drawn[0]
+                correction = runtime.world_size() * len(block_range(size)) / size
+                if correction != 1.0:
+                    msg["scale"] = msg["scale"] * correction
+
+    def _pyro_param(self, msg: Any) -> None:
+        if not self.by_block:
+            return
+        name = msg["args"][0]
+        event_dim = msg["kwargs"].get("event_dim")
+        frame = next(
+            (
+                f
+                for f in msg["cond_indep_stack"]
+                if f.name in self._blocks and f.full_size == self._blocks[f.name][0]
+            ),
+            None,
+        )
+        known = ownership.local_params().get(name)
+        if frame is None or event_dim is None or frame.dim is None:
+            if known is not None and self.own_local_params:
+                raise ValueError(
+                    f"local parameter {name!r} of plate {known.plate!r} is used outside "
+                    f"that plate; a parameter is either local to one plate or global"
+                )
+            return
+        size, indices = self._blocks[frame.name]
+        param = ownership.LocalParam(name, frame.name, size, frame.dim - event_dim)
+        init = msg["args"][1] if len(msg["args"]) > 1 else None
+        constraint = msg["kwargs"].get("constraint")
+        if self.own_local_params:
+            ownership.register(param)
+            ownership.localize(param, init, constraint)
+        else:
+            ownership.create(param, init, constraint)
+        msg["value"] = ownership.select_rows(param, indices, owned=self.own_local_params)
+        # The plate must not subsample the value again: that is done.
+        msg["kwargs"] = {**msg["kwargs"], "event_dim": None}
+
+
+def _warn_if_sized_by_a_shard(name: str, size: int) -> None:
+    whole = shard_lengths().get(size)
+    if whole is None:
+        return
+    warnings.warn(
+        f"plate {name!r} has size {size}, the length of this worker's shard from "
+        f"pd.shard of a data set of {whole} rows: it fits the posterior of this shard "
+        f"alone (widths about sqrt(W) too wide). Write the plate as "
+        f"pd.data_plate({name!r}, x_mine), or pyro.plate({name!r}, {whole}, "
+        f"subsample=...) with the shard's global indices",
+        UserWarning,
+        stacklevel=2,
+    )

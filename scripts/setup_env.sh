@@ -1,10 +1,22 @@
 # Source this file: it creates (or reuses) the project's virtualenv, installs the
-# pinned CPU build of torch first, then this package with the extras named in
+# pinned build of torch first, then this package with the extras named in
 # $PYRO_DISTRIBUTED_EXTRAS (default "dev,examples"), and activates the venv.
 #
 # torch is pinned here, not in pyproject.toml: the package accepts any torch>=2.1
 # so that GPU users keep their CUDA build, but an unpinned install on a fresh
 # machine would pull a CUDA build of several GB.
+#
+# Where torch comes from (environment variables, all optional):
+#   PYRO_DISTRIBUTED_TORCH        the version (default 2.13.0)
+#   PYRO_DISTRIBUTED_TORCH_INDEX  a package index to take torch from, instead of
+#                                 pip's own. On a machine with internet access,
+#                                 https://download.pytorch.org/whl/cpu gives the
+#                                 small CPU-only build (about 200 MB instead of
+#                                 several GB of CUDA libraries from PyPI).
+#   PYRO_DISTRIBUTED_TORCH_WHEEL  a torch wheel file (path or URL) to install as
+#                                 it is; it must be of the version above.
+# With neither, pip resolves torch==$PYRO_DISTRIBUTED_TORCH as configured: on the
+# development and CI machines it finds the CPU wheel on local disk.
 
 PYRO_DISTRIBUTED_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYRO_DISTRIBUTED_VENV=${PYRO_DISTRIBUTED_VENV:-$PYRO_DISTRIBUTED_ROOT/.venv}
@@ -18,9 +30,20 @@ fi
 . "$PYRO_DISTRIBUTED_VENV/bin/activate"
 
 if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$PYRO_DISTRIBUTED_TORCH')" 2>/dev/null; then
-    echo "[setup] installing torch==$PYRO_DISTRIBUTED_TORCH"
-    python -m pip install -q "torch==$PYRO_DISTRIBUTED_TORCH"
+    if [ -n "${PYRO_DISTRIBUTED_TORCH_WHEEL:-}" ]; then
+        echo "[setup] installing torch from $PYRO_DISTRIBUTED_TORCH_WHEEL"
+        python -m pip install -q "$PYRO_DISTRIBUTED_TORCH_WHEEL"
+    elif [ -n "${PYRO_DISTRIBUTED_TORCH_INDEX:-}" ]; then
+        echo "[setup] installing torch==$PYRO_DISTRIBUTED_TORCH from $PYRO_DISTRIBUTED_TORCH_INDEX"
+        python -m pip install -q --index-url "$PYRO_DISTRIBUTED_TORCH_INDEX" \
+            "torch==$PYRO_DISTRIBUTED_TORCH"
+    else
+        echo "[setup] installing torch==$PYRO_DISTRIBUTED_TORCH"
+        python -m pip install -q "torch==$PYRO_DISTRIBUTED_TORCH"
+    fi
 fi
 echo "[setup] installing pyro-distributed[${PYRO_DISTRIBUTED_EXTRAS:-dev,examples}]"
+# torch==VERSION again, so that the package's torch>=2.1 cannot swap the build
+# installed above for another (a local label such as +cpu satisfies it).
 python -m pip install -q -e "$PYRO_DISTRIBUTED_ROOT[${PYRO_DISTRIBUTED_EXTRAS:-dev,examples}]" \
     "torch==$PYRO_DISTRIBUTED_TORCH"

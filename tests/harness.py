@@ -213,6 +213,8 @@ class CountingEngine(Engine):
         super().__init__(inner.timeout)
         self.inner = inner
         self.calls: list[tuple[str, int]] = []
+        #: Bytes of every tensor reduced or broadcast (objects not counted).
+        self.bytes = 0
 
     rank = property(lambda self: self.inner.rank)  # type: ignore[assignment]
     local_rank = property(lambda self: self.inner.local_rank)  # type: ignore[assignment]
@@ -222,10 +224,12 @@ class CountingEngine(Engine):
         self, tensors: Sequence[torch.Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
     ) -> None:
         self.calls.append((f"allreduce_{op}", len(tensors)))
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         self.inner.allreduce_(tensors, op, names)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         self.calls.append(("broadcast", len(tensors)))
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         self.inner.broadcast_(tensors, src)
 
     def allgather_object(self, obj: Any) -> list[Any]:

@@ -152,9 +152,23 @@ def test_shards_have_equal_lengths_under_both_policies(uneven: str, per_worker: 
     assert first["epoch0"] != first["epoch1"], "set_epoch reshuffles"
 
 
+def split_shard(n: int) -> list[int]:
+    return pd.shard(torch.arange(n)).tolist()
+
+
+def test_shard_splits_by_default_every_row_once() -> None:
+    shares = run_workers(split_shard, 7, world_size=3)
+    assert shares == [[0, 3, 6], [1, 4], [2, 5]]
+
+
+def test_shard_sampler_refuses_unequal_shards() -> None:
+    with pytest.raises(ValueError, match="ShardSampler needs shards of equal length"):
+        pd.ShardSampler(range(7), uneven="split")  # type: ignore[arg-type]
+
+
 def test_shard_in_one_process_is_everything() -> None:
     assert pd.shard(torch.arange(5)).tolist() == [0, 1, 2, 3, 4]
-    with pytest.raises(ValueError, match="uneven must be 'drop' or 'pad'"):
+    with pytest.raises(ValueError, match="uneven must be 'split', 'drop' or 'pad'"):
         pd.shard_indices(5, uneven="wrap")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="shard takes a tensor"):
         pd.shard([1, 2, 3])  # type: ignore[arg-type]

@@ -98,3 +98,64 @@ def test_script_written_for_pyros_class_runs_unchanged_with_ours(tmp_path: Path)
     for name, values in with_pyros[0]["params"].items():
         ours_values = torch.tensor(with_ours[0]["params"][name])
         assert torch.allclose(ours_values, torch.tensor(values), atol=1e-3), name
+
+
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+#: sigma / sqrt(N): the posterior width of each weight with 10,000 rows. A
+#: plate sized by one of two shards would give sqrt(2) times this.
+QUICKSTART_WIDTH = 0.3 / 10_000**0.5
+
+
+def quickstart_posterior(output: str) -> tuple[list[float], list[float]]:
+    match = re.search(r"^w: mean \[(.*)\] sd \[(.*)\]$", output, re.MULTILINE)
+    assert match, output
+    return [float(v) for v in match.group(1).split(",")], [
+        float(v) for v in match.group(2).split(",")
+    ]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_quickstart_gives_the_posterior_of_all_the_data(workers: int) -> None:
+    launcher = [sys.executable]
+    if workers > 1:
+        launcher = [
+            str(BIN / "torchrun"),
+            f"--nproc-per-node={workers}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+        ]
+    output = run([*launcher, str(QUICKSTART)])
+    means, widths = quickstart_posterior(output)
+    for mean, true in zip(means, [2.0, -1.0, 0.5], strict=True):
+        assert abs(mean - true) < 0.02
+    for width in widths:
+        assert abs(width / QUICKSTART_WIDTH - 1) < 0.2, widths
+    assert output.count("predictions: (1000, 1001)") == 1, "gathered on worker 0 only"
+
+
+def test_readme_quickstart_is_the_example() -> None:
+    readme = (ROOT / "README.md").read_text()
+    body = QUICKSTART.read_text().split('"""', 2)[2].strip()
+    assert f"```python\n{body}\n```" in readme
+
+
+RANDOM_EFFECTS = ROOT / "examples" / "random_effects.py"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_random_effects_example_recovers_the_effects(workers: int) -> None:
+    launcher = [sys.executable]
+    if workers > 1:
+        launcher = [
+            str(BIN / "torchrun"),
+            f"--nproc-per-node={workers}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+        ]
+    output = run([*launcher, str(RANDOM_EFFECTS), "--groups=2000", "--batch=200", "--steps=1500"])
+    assert output.count(f"worker 0 holds {2000 // workers} of 2000 groups' parameters") == 1
+    match = re.search(r"correlation with the truth (\S+) \(at best (\S+)\)", output)
+    assert match, output
+    assert float(match.group(1)) > float(match.group(2)) - 0.03, output
+    mu = re.search(r"^mu (\S+),", output, re.MULTILINE)
+    assert mu and abs(float(mu.group(1)) - 3.0) < 0.15, output

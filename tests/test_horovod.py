@@ -24,8 +24,11 @@ import pyro_distributed as pd
 
 from .harness import WorkerFailure, run_under_horovodrun, run_workers
 from .models import bayesian_regression, param_values, regression_data
+from .test_evaluate import losses
 from .test_faults import drift, nan_on_worker_one, uneven_epoch
 from .test_noise_scale import measured_against_exact
+from .test_predictive import by_data, by_samples
+from .test_runtime import _flags
 from .test_semantics import clip_cases, train_each_elbo, train_each_scheduler
 
 pytestmark = pytest.mark.horovod
@@ -452,7 +455,37 @@ SUITES: dict[str, list[tuple[str, Any, tuple[Any, ...]]]] = {
         ("uneven", uneven_epoch, ()),
     ],
     "adasum": [("adasum", adasum_error, ())],
+    "evaluation": [
+        ("losses", losses, (2,)),
+        ("by_samples", by_samples, (0, "main")),
+        ("by_data", by_data, (1,)),
+        ("flags", _flags, ()),
+    ],
 }
+
+
+def test_evaluation_prediction_and_flags_on_horovod_match_one_process() -> None:
+    for result in outcome("losses", suite="evaluation"):
+        for kind in ("global", "batch"):
+            assert result[kind] == pytest.approx(result[f"{kind}_reference"], rel=1e-6)
+    for scenario, args in (("by_samples", (0, "main")), ("by_data", (1,))):
+        gathered, nothing = outcome(scenario, suite="evaluation")
+        (alone,) = run_workers(SCENARIO_FUNCTIONS[scenario], *args, world_size=1)
+        assert nothing is None
+        assert gathered.keys() == alone.keys()
+        for name, value in alone.items():
+            assert gathered[name].shape == value.shape, name
+        # Seeded sample chunks are the same draws at any W; split by data, the
+        # deterministic site shows every point in its place.
+        exact = alone.keys() if scenario == "by_samples" else ["mean"]
+        assert all(torch.equal(gathered[name], alone[name]) for name in exact)
+    assert (
+        outcome("flags", suite="evaluation")
+        == [{"any": True, "all": False, "all_true": True, "none": False}] * 2
+    )
+
+
+SCENARIO_FUNCTIONS = {"by_samples": by_samples, "by_data": by_data}
 
 
 def test_nan_skip_drift_and_uneven_epochs_on_horovod() -> None:

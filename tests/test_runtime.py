@@ -130,3 +130,42 @@ def _reuse_user_group() -> tuple[str, int, bool]:
 def test_torch_engine_reuses_a_group_the_user_initialised() -> None:
     for name, doubled_mean, still_there in run_workers(_reuse_user_group, engine=""):
         assert (name, doubled_mean, still_there) == ("torch", 1, True)
+
+
+def _flags() -> dict[str, bool]:
+    mine = pd.rank() == 1
+    return {
+        "any": pd.any_worker(mine),
+        "all": pd.all_workers(mine),
+        "all_true": pd.all_workers(True),
+        "none": pd.any_worker(torch.tensor(False)),
+    }
+
+
+def test_any_worker_and_all_workers_agree_everywhere() -> None:
+    expected = {"any": True, "all": False, "all_true": True, "none": False}
+    assert run_workers(_flags, world_size=3) == [expected] * 3
+
+
+def _early_stopping() -> int:
+    """Each worker's own loss plateaus at a different step; all stop at the first."""
+    best, patience = float("inf"), 0
+    plateau = 5 + 3 * pd.rank()
+    for step in range(100):
+        loss = 1.0 / (step + 1) if step < plateau else 1.0
+        patience = 0 if loss < best else patience + 1
+        best = min(best, loss)
+        if pd.any_worker(patience >= 2):
+            return step
+    return -1
+
+
+def test_early_stopping_ends_on_every_worker_at_the_same_step() -> None:
+    assert run_workers(_early_stopping, world_size=3) == [6, 6, 6]
+
+
+def test_flags_must_be_booleans() -> None:
+    with pytest.raises(TypeError, match="any_worker takes a bool"):
+        pd.any_worker(1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="all_workers takes one flag"):
+        pd.all_workers(torch.tensor([True, False]))

@@ -66,6 +66,8 @@ def check_outputs(output: tuple[str, str], tmp_path: Path, workers: int) -> None
     elbos = re.findall(r"^held-out ELBO per image: (\S+) nats$", stdout, re.MULTILINE)
     assert len(elbos) == 1, stdout
     assert math.isfinite(float(elbos[0])), elbos
+    # The held-out set is split across the workers, not repeated on each.
+    assert stdout.count(f"evaluated 297 held-out images on {workers} worker(s)") == 1, stdout
 
     figure = tmp_path / "vae.png"
     assert figure.read_bytes()[:8] == PNG_MAGIC

@@ -1,0 +1,151 @@
+"""Assembling per-worker pieces of named tensors into whole tensors, streamed.
+
+Prediction and evaluation leave each worker with a piece of every result:
+its share of the samples (pieces stacked along dim 0) or of the data points
+(pieces concatenated along the data plate's axis). :func:`gather_pieces`
+puts them together in rank order, on worker 0 or on every worker.
+
+It streams: the shapes travel first, in one small object all-gather, so the
+receivers allocate the result once; then each worker's piece is broadcast
+from that worker in turn and copied into place. A receiver holds the result
+plus one piece at a time, never every piece at once, and a worker that does
+not keep the result holds only one piece. Engines offer broadcasts, not
+point-to-point sends, so every piece reaches every worker; that costs
+bandwidth, not memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .engines import Engine
+from .errors import PyroDistributedError
+
+__all__ = ["Destination", "gather_pieces"]
+
+Destination = Literal["main", "all"]
+#: What each worker says of a piece before it travels: shape, dtype, and a
+#: digest of the values for results that must be identical everywhere.
+_Spec = tuple[tuple[int, ...], torch.dtype, str | None]
+
+
+def _digest(piece: Tensor) -> str:
+    data = piece.detach().cpu().contiguous()
+    return hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _spec(piece: Tensor, shared: bool) -> _Spec:
+    return tuple(piece.shape), piece.dtype, _digest(piece) if shared else None
+
+
+def gather_pieces(
+    engine: Engine,
+    pieces: Mapping[str, Tensor],
+    axes: Mapping[str, int | None],
+    to: Destination = "main",
+) -> dict[str, Tensor] | None:
+    """Join every worker's ``pieces`` by name, in rank order.
+
+    :param pieces: this worker's piece of each named result.
+    :param axes: for each name, the axis along which pieces join, or ``None``
+        for a result that every worker holds whole and identical (worker 0's
+        copy is used, after checking that all copies are equal).
+    :param to: ``"main"``: worker 0 returns the results, others ``None``;
+        ``"all"``: every worker returns them.
+    :raises PyroDistributedError: on every worker, if workers hold different
+        names, shapes that do not fit together, or differing shared results.
+    """
+    names = sorted(pieces)
+    specs: list[dict[str, _Spec]] = engine.allgather_object(
+        {name: _spec(pieces[name], axes[name] is None) for name in names}
+    )
+    _check_same_names(specs)
+    keep = to == "all" or engine.rank == 0
+    results: dict[str, Tensor] = {}
+    for name in names:
+        shapes = [spec[name][0] for spec in specs]
+        dtype = specs[0][name][1]
+        axis = axes[name]
+        if axis is None:
+            _check_shared(name, [spec[name][2] for spec in specs])
+            result = (
+                pieces[name].detach().clone()
+                if engine.rank == 0
+                else torch.empty(shapes[0], dtype=dtype)
+            )
+            _broadcast(engine, result, src=0)
+            if keep:
+                results[name] = result
+            continue
+        whole = _joined_shape(name, shapes, axis)
+        result = torch.empty(whole, dtype=dtype) if keep else torch.empty(0, dtype=dtype)
+        offset = 0
+        for src, shape in enumerate(shapes):
+            length = shape[axis]
+            if math.prod(shape):
+                piece = (
+                    pieces[name].detach().contiguous()
+                    if src == engine.rank
+                    else torch.empty(shape, dtype=dtype)
+                )
+                _broadcast(engine, piece, src)
+                if keep:
+                    result.narrow(axis, offset, length).copy_(piece)
+            offset += length
+        if keep:
+            results[name] = result
+    return results if keep else None
+
+
+def _broadcast(engine: Engine, tensor: Tensor, src: int) -> None:
+    # gloo has no bool; a byte per element travels the same values.
+    wire = tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
+    engine.broadcast_([wire], src=src)
+
+
+def _check_same_names(specs: list[dict[str, _Spec]]) -> None:
+    first = set(specs[0])
+    for rank, spec in enumerate(specs):
+        if set(spec) != first:
+            raise PyroDistributedError(
+                f"workers 0 and {rank} produced different results to gather: "
+                f"{sorted(first ^ set(spec))} on only one of them"
+            )
+    for name in first:
+        dtypes = {spec[name][1] for spec in specs}
+        if len(dtypes) > 1:
+            raise PyroDistributedError(f"workers disagree on the dtype of {name!r}: {dtypes}")
+
+
+def _check_shared(name: str, digests: list[str | None]) -> None:
+    differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    if differing:
+        raise PyroDistributedError(
+            f"{name!r} should be identical on every worker but differs between worker 0 "
+            f"and worker(s) {differing}"
+        )
+
+
+def _joined_shape(name: str, shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
+    first = shapes[0]
+    if not first:
+        raise PyroDistributedError(f"{name!r} is a scalar on worker 0; it cannot be joined")
+    position = axis % len(first)
+    for rank, shape in enumerate(shapes):
+        if len(shape) != len(first) or any(
+            a != b for dim, (a, b) in enumerate(zip(shape, first, strict=True)) if dim != position
+        ):
+            raise PyroDistributedError(
+                f"the pieces of {name!r} do not fit together along axis {axis}: "
+                f"shape {first} on worker 0, {shape} on worker {rank}"
+            )
+    return tuple(
+        sum(shape[position] for shape in shapes) if dim == position else size
+        for dim, size in enumerate(first)
+    )

@@ -1,0 +1,244 @@
+"""Posterior predictive sampling spread over the workers, gathered in order.
+
+:class:`Predictive` takes ``pyro.infer.Predictive``'s arguments and returns
+what it returns, with the work split one of two ways:
+
+* ``split="samples"`` (default): each worker draws a contiguous share of the
+  ``num_samples`` draws (and takes the matching rows of
+  ``posterior_samples``); the shares are stacked along dim 0 in order.
+  Without a ``seed`` each worker seeds its draws from its own generator
+  and its rank, so the workers' draws are independent even if their
+  generators were seeded alike, and a run repeats at fixed seeds and world
+  size.
+  With a ``seed``, draws are made in chunks of fixed size, each from a
+  generator seeded by ``(seed, chunk)``, and workers take whole chunks: the
+  result is then bitwise the same at every world size, one process included.
+* ``split="data"``: each worker runs every draw on its own contiguous block
+  of the data points (the positional arguments, split along dim 0); the
+  blocks are joined along each site's data-plate axis, found by watching the
+  plates the model enters. Sites outside the data plate must come out
+  identical on every worker (as they do when ``posterior_samples`` supply
+  them): that is checked, and a difference is an error naming the site.
+
+Results are assembled by :func:`~pyro_distributed.gather.gather_pieces`,
+which streams, so the receiving worker holds the result and one piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import pyro
+import pyro.infer
+import pyro.util
+import torch
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.subsample_messenger import _Subsample
+from torch import Tensor
+
+from . import runtime
+from .data import block_batches, block_range, data_columns
+from .gather import Destination, gather_pieces
+from .seeding import derived_seed
+
+__all__ = ["Predictive"]
+
+Split = Literal["samples", "data"]
+#: With a seed and no chunk_size, the draws are cut into this many chunks,
+#: enough to spread them evenly over this many workers.
+DEFAULT_CHUNKS = 64
+
+
+class Predictive:
+    """``pyro.infer.Predictive``, with the draws (or the data) split across workers.
+
+    The first six arguments are ``pyro.infer.Predictive``'s, with its meaning.
+    Calling it, on every worker, returns the same dictionary of samples that
+    one process would return, each of shape ``(num_samples, ...)``, on worker 0
+    (other workers get ``None``), or on every worker with ``gather="all"``.
+
+    :param split: ``"samples"`` (default): each worker draws its share of the
+        samples. ``"data"``: each worker handles its block of the data points,
+        the positional arguments of the call, which must all be tensors of the
+        same length.
+    :param gather: ``"main"`` (default) or ``"all"``: who receives the result.
+    :param seed: with ``split="samples"``, draw the samples in chunks seeded
+        by ``(seed, chunk)``: the result is then identical at any world size.
+        With ``split="data"``, seed each worker's draws by ``(seed, rank)``.
+        ``None`` (default): a seed drawn from this worker's torch generator,
+        mixed with its rank, so that workers never repeat each other's draws.
+    :param chunk_size: how many samples one underlying ``pyro.infer.Predictive``
+        call draws (default: a worker's whole share, or with a ``seed``
+        ``ceil(num_samples / 64)``). Smaller chunks hold less memory at once.
+
+    Example::
+
+        predictive = pd.Predictive(model, guide=guide, num_samples=1000, seed=0)
+        samples = predictive(x_test)  # every worker calls it
+        if pd.is_main():
+            print(samples["obs"].shape)  # (1000, len(x_test)), as in one process
+
+    .. warning::
+        A collective: call it on every worker with the same arguments. With
+        ``split="data"``, sample sites outside the data plate must be
+        identical on every worker; pass them as ``posterior_samples``, or use
+        ``split="samples"`` for guides with global latent variables.
+    """
+
+    def __init__(
+        self,
+        model: Callable[..., Any],
+        posterior_samples: Mapping[str, Tensor] | None = None,
+        guide: Callable[..., Any] | None = None,
+        num_samples: int | None = None,
+        return_sites: Sequence[str] | None = (),
+        parallel: bool = False,
+        *,
+        split: Split = "samples",
+        gather: Destination = "main",
+        seed: int | None = None,
+        chunk_size: int | None = None,
+    ) -> None:
+        if split not in ("samples", "data"):
+            raise ValueError(f"Predictive: split must be 'samples' or 'data', got {split!r}")
+        if gather not in ("main", "all"):
+            raise ValueError(f"Predictive: gather must be 'main' or 'all', got {gather!r}")
+        for name, value in (("seed", seed), ("chunk_size", chunk_size)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < (name != "seed")
+            ):
+                raise ValueError(f"Predictive: {name} must be a non-negative int, got {value!r}")
+        # Pyro's own class checks the first six arguments and works out num_samples.
+        checked = pyro.infer.Predictive(  # type: ignore[no-untyped-call]
+            model, dict(posterior_samples or {}) or None, guide, num_samples, return_sites, parallel
+        )
+        self.model, self.guide = model, guide
+        self.posterior_samples: dict[str, Tensor] = dict(checked.posterior_samples)
+        self.num_samples: int = checked.num_samples
+        self.return_sites, self.parallel = return_sites, parallel
+        self.split, self.gather, self.seed, self.chunk_size = split, gather, seed, chunk_size
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Tensor] | None:
+        """Draw, on every worker, and gather; ``args`` and ``kwargs`` go to the model."""
+        engine = runtime.current_engine()
+        if self.split == "data":
+            pieces, axes = self._by_data(args, kwargs)
+        else:
+            pieces = self._by_samples(args, kwargs)
+            axes = dict.fromkeys(pieces, 0)
+        return gather_pieces(engine, pieces, axes, self.gather)
+
+    def _draw(
+        self,
+        rows: range,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        seed: int,
+    ) -> dict[str, Tensor]:
+        """Samples ``rows`` of the whole draw, from one ``pyro.infer.Predictive``
+        call, from generators seeded by ``seed``."""
+        posterior = {
+            name: value[rows.start : rows.stop] for name, value in self.posterior_samples.items()
+        }
+        predictive = pyro.infer.Predictive(  # type: ignore[no-untyped-call]
+            self.model,
+            posterior or None,
+            self.guide,
+            None if posterior else len(rows),
+            self.return_sites,
+            self.parallel,
+        )
+        with torch.no_grad(), _seeded(seed):
+            return {name: value.detach() for name, value in predictive(*args, **kwargs).items()}
+
+    def _by_samples(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Tensor]:
+        drawn = [self._draw(rows, args, kwargs, seed) for rows, seed in self._my_chunks()]
+        if not drawn:
+            # More workers than chunks: draw one sample to learn the sites'
+            # shapes, and contribute none of it.
+            shapes = self._draw(range(1), args, kwargs, seed=0)
+            return {name: value[:0] for name, value in shapes.items()}
+        return {name: torch.cat([piece[name] for piece in drawn]) for name in drawn[0]}
+
+    def _my_chunks(self) -> Iterator[tuple[range, int]]:
+        """This worker's chunks of ``range(num_samples)``, with each chunk's seed."""
+        total = self.num_samples
+        if self.seed is None:
+            mine, base = block_range(total), _unseeded_base()
+            size = self.chunk_size or max(len(mine), 1)
+            for number, start in enumerate(range(mine.start, mine.stop, size)):
+                yield range(start, min(start + size, mine.stop)), base + number
+            return
+        size = self.chunk_size or max(1, -(-total // DEFAULT_CHUNKS))
+        for chunk in block_range(-(-total // size)):
+            yield (
+                range(chunk * size, min((chunk + 1) * size, total)),
+                derived_seed(self.seed, chunk),
+            )
+
+    def _by_data(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> tuple[dict[str, Tensor], dict[str, int | None]]:
+        columns = data_columns(tuple(args), "Predictive(split='data')")
+        size, workers = len(columns[0]), runtime.world_size()
+        if size < workers:
+            raise ValueError(
+                f"Predictive(split='data'): {size} data points cannot be split across "
+                f"{workers} workers; use split='samples'"
+            )
+        batch, rows = next(block_batches(columns, None))
+        probe = _DataAxes(len(rows), size)
+        everything = range(self.num_samples)
+        seed = derived_seed(_unseeded_base() if self.seed is None else self.seed, runtime.rank())
+        with probe:
+            pieces = self._draw(everything, batch, kwargs, seed)
+        return pieces, {name: probe.axes.get(name) for name in pieces}
+
+
+def _unseeded_base() -> int:
+    """A seed from this worker's torch generator, mixed with its rank: workers
+    whose generators were seeded alike still draw independent samples."""
+    drawn = int(torch.randint(0, 2**31 - 1, ()).item())
+    return derived_seed(drawn, runtime.rank())
+
+
+@contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Draw from generators seeded by ``seed``, then put the caller's states back."""
+    state = pyro.util.get_rng_state()
+    pyro.set_rng_seed(seed)
+    try:
+        yield
+    finally:
+        pyro.util.set_rng_state(state)
+
+
+class _DataAxes(Messenger):
+    """Finds, for each sample site, the axis of the plate over a block of ``block``
+    rows out of ``size``: the axis along which workers' values are joined."""
+
+    def __init__(self, block: int, size: int) -> None:
+        super().__init__()
+        self.block, self.size = block, size
+        self.axes: dict[str, int] = {}
+
+    def _pyro_post_sample(self, msg: Any) -> None:
+        if isinstance(msg["fn"], _Subsample) or msg["name"] in self.axes:
+            return
+        shape = getattr(msg["value"], "shape", ())
+        for frame in msg["cond_indep_stack"]:
+            if frame.size != self.block or frame.full_size not in (self.block, self.size):
+                continue
+            if frame.dim is None:
+                return
+            # A plate's dim counts from the right of the batch shape; a site
+            # that declares its whole value an event (pyro.deterministic does
+            # by default) still carries the plate's axis at that dim itself.
+            event_dim = getattr(msg["fn"], "event_dim", 0)
+            for axis in (frame.dim - event_dim, frame.dim):
+                if -len(shape) <= axis and shape[axis] == self.block:
+                    self.axes[msg["name"]] = axis
+                    return
+            return

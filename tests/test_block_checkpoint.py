@@ -1,0 +1,168 @@
+"""Checkpoints of local parameters: bitwise resume, elastic re-partition, all or nothing.
+
+Each worker writes its own block beside worker 0's file. Resuming at the
+same number of workers must continue bitwise; resuming at another number
+must hand every worker exactly its new rows, with their optimizer state,
+and keep the global parameters and their state intact.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+
+import pyro_distributed as pd
+import pyro_distributed.block_checkpoint
+
+from .harness import run_workers
+from .test_ownership import D, N, data, guide, model
+
+LOCAL = ("z_loc", "z_scale")
+
+
+def _run() -> tuple[SVI, pd.DistributedOptimizer, torch.Tensor]:
+    pd.set_rng_seed(5)
+    x = data()
+    with pd.shard_subsamples(own_local_params=True):
+        guide(x)  # create the parameters before a checkpoint is loaded
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.05}))
+    return SVI(model, guide, optim, Trace_ELBO()), optim, x
+
+
+def _train(svi: SVI, x: torch.Tensor, steps: int) -> None:
+    for _ in range(steps):
+        with pd.shard_subsamples(own_local_params=True):
+            svi.step(x)
+
+
+def _snapshot(optim: pd.DistributedOptimizer) -> dict[str, Any]:
+    store = pyro.get_param_store()
+    return {
+        "values": {name: value.detach().clone() for name, value in store.named_parameters()},
+        "optim": optim.get_state(),
+        "rows": {name: pd.local_rows(name)[0] for name in LOCAL},
+    }
+
+
+def straight(steps: int, save_at: int, path: str) -> dict[str, Any]:
+    svi, optim, x = _run()
+    _train(svi, x, save_at)
+    pd.save_checkpoint(path, optim)
+    _train(svi, x, steps - save_at)
+    return _snapshot(optim)
+
+
+def resumed(steps: int, path: str) -> dict[str, Any]:
+    svi, optim, x = _run()
+    start = pd.load_checkpoint(path, optim)
+    _train(svi, x, steps - start)
+    return _snapshot(optim)
+
+
+def _same(got: Any, want: Any, where: str = "") -> None:
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            _same(got[key], want[key], f"{where}/{key}")
+    elif isinstance(want, (list, tuple)):
+        for index, (g, w) in enumerate(zip(got, want, strict=True)):
+            _same(g, w, f"{where}/{index}")
+    else:
+        assert got == want, where
+
+
+def test_resume_at_the_same_world_size_is_bitwise(tmp_path: Path) -> None:
+    path = str(tmp_path / "run.pt")
+    uninterrupted = run_workers(straight, 10, 4, path)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 3 and files[0] == "run.pt", files
+    assert all(".block" in name for name in files[1:]), "one block file per worker"
+    again = run_workers(resumed, 10, path)
+    for rank in range(2):
+        _same(again[rank], uninterrupted[rank], f"worker {rank}")
+
+
+def saved_then_state(path: str) -> dict[str, Any]:
+    svi, optim, x = _run()
+    _train(svi, x, 6)
+    pd.save_checkpoint(path, optim)
+    return _snapshot(optim)
+
+
+def loaded_state(path: str, steps_after: int) -> dict[str, Any]:
+    svi, optim, x = _run()
+    pd.load_checkpoint(path, optim)
+    snapshot = _snapshot(optim)
+    # Loaded optimizer state waits in Pyro's optimizer until each parameter's
+    # next step; read it there (a copy: Adam then updates those tensors in place).
+    snapshot["optim"] = copy.deepcopy(optim.wrapped._state_waiting_to_be_consumed)
+    _train(svi, x, steps_after)  # and training goes on from there
+    return snapshot
+
+
+def _whole(per_worker: list[dict[str, Any]], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A local parameter's N rows and its Adam exp_avg, joined from every worker's block."""
+    values = torch.cat([worker["values"][name] for worker in per_worker])
+    moments = torch.cat([worker["optim"][name]["state"][0]["exp_avg"] for worker in per_worker])
+    return values, moments
+
+
+@pytest.mark.parametrize(("saved_at", "loaded_at"), [(2, 3), (3, 1)])
+def test_elastic_resume_repartitions_the_blocks(
+    tmp_path: Path, saved_at: int, loaded_at: int
+) -> None:
+    path = str(tmp_path / "run.pt")
+    saved = run_workers(saved_then_state, path, world_size=saved_at)
+    loaded = run_workers(loaded_state, path, 2, world_size=loaded_at)
+    for name in LOCAL:
+        values, moments = _whole(saved, name)
+        assert values.shape == (N, D)
+        for rank, worker in enumerate(loaded):
+            rows = range(rank * N // loaded_at, (rank + 1) * N // loaded_at)
+            assert worker["rows"][name].tolist() == list(rows)
+            assert torch.equal(worker["values"][name], values[rows.start : rows.stop])
+            state = worker["optim"][name]["state"][0]
+            assert torch.equal(state["exp_avg"], moments[rows.start : rows.stop])
+            assert int(state["step"]) == 6
+    for worker in loaded:
+        assert torch.equal(worker["values"]["mu_loc"], saved[0]["values"]["mu_loc"])
+        _same(worker["optim"]["mu_loc"], saved[0]["optim"]["mu_loc"], "global state")
+
+
+def failing_second_save(path: str) -> dict[str, Any]:
+    svi, optim, x = _run()
+    _train(svi, x, 3)
+    pd.save_checkpoint(path, optim)
+    before = _snapshot(optim)
+    _train(svi, x, 3)
+    if pd.rank() == 1:
+
+        def refuse(target: Path, state: Any) -> None:
+            raise OSError("disk full (injected)")
+
+        pyro_distributed.block_checkpoint.write_atomically = refuse  # type: ignore[assignment]
+    with pytest.raises(pd.PyroDistributedError) as error:
+        pd.save_checkpoint(path, optim)
+    return {"before": before, "error": str(error.value)}
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_intact_and_complete(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "run.pt")
+    first, second = run_workers(failing_second_save, path)
+    for worker in (first, second):
+        assert "worker 1: OSError: disk full (injected)" in worker["error"]
+        assert "the previous checkpoint is intact" in worker["error"]
+    assert len(list(tmp_path.iterdir())) == 3, "no file of the failed save is left"
+    loaded = run_workers(loaded_state, path, 0)
+    for rank, worker in enumerate((first, second)):
+        _same(loaded[rank]["values"], worker["before"]["values"], f"worker {rank}")

@@ -1,0 +1,147 @@
+"""evaluate_loss on real workers: every row once, the one-process value, on every worker.
+
+The models here have no randomness left at evaluation time (parameters
+only, or a delta guide), so the distributed loss must equal the loss one
+process computes on all the data, up to the order of summation.
+"""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import Trace_ELBO
+from pyro.infer.autoguide import AutoDelta
+from torch.utils.data import TensorDataset
+
+import pyro_distributed as pd
+
+from .harness import run_workers
+
+N = 11  # divides by neither 2 nor 3
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(N, 2, generator=generator)
+    return x, x @ torch.tensor([1.0, -2.0]) + torch.randn(N, generator=generator)
+
+
+def global_latent_model(x: torch.Tensor, y: torch.Tensor) -> None:
+    """A global latent variable: only a plate sized by the whole data set counts it once."""
+    w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+    with pd.data_plate("data", x):
+        pyro.sample("y", dist.Normal(x @ w, 1.0), obs=y)
+
+
+def batch_plate_model(x: torch.Tensor, y: torch.Tensor) -> None:
+    """Parameters only, and a plate sized by whatever batch it is given."""
+    w = pyro.param("w_point", torch.tensor([0.5, -1.0]))
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Normal(x @ w, 1.0), obs=y)
+
+
+def global_latent_in_batch_plate(x: torch.Tensor, y: torch.Tensor) -> None:
+    w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Normal(x @ w, 1.0), obs=y)
+
+
+def empty_guide(x: torch.Tensor, y: torch.Tensor) -> None:
+    pass
+
+
+def delta_guide() -> AutoDelta:
+    torch.manual_seed(0)  # the same point estimate on every worker
+    guide = AutoDelta(global_latent_model)
+    guide(*data())
+    return guide
+
+
+def losses(batch_size: int | None) -> dict[str, float]:
+    x, y = data()
+    guide = delta_guide()
+    return {
+        "global": pd.evaluate_loss(
+            Trace_ELBO(), global_latent_model, guide, (x, y), batch_size=batch_size
+        ),
+        "global_reference": Trace_ELBO().loss(global_latent_model, guide, x, y),
+        "batch": pd.evaluate_loss(
+            Trace_ELBO(), batch_plate_model, empty_guide, TensorDataset(x, y), batch_size=batch_size
+        ),
+        "batch_reference": Trace_ELBO().loss(batch_plate_model, empty_guide, x, y),
+    }
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_the_loss_is_the_one_process_loss_on_every_worker(workers: int, batch_size: int) -> None:
+    results = run_workers(losses, batch_size, world_size=workers)
+    for result in results:
+        for kind in ("global", "batch"):
+            assert result[kind] == results[0][kind], "bitwise the same on every worker"
+            assert result[kind] == pytest.approx(result[f"{kind}_reference"], rel=1e-6)
+
+
+def rows_seen(batch_size: int) -> list[int]:
+    seen: list[int] = []
+
+    def recording_model(x: torch.Tensor) -> None:
+        with pd.data_plate("data", x) as indices:
+            seen.extend(indices.tolist())
+            pyro.sample("x", dist.Normal(0.0, 1.0), obs=x)
+
+    pd.evaluate_loss(
+        Trace_ELBO(), recording_model, lambda x: None, torch.zeros(N), batch_size=batch_size
+    )
+    return seen
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_every_row_is_evaluated_exactly_once(workers: int) -> None:
+    seen = run_workers(rows_seen, 2, world_size=workers)
+    everything = sorted(index for rows in seen for index in rows)
+    assert everything == list(range(N))
+    assert max(map(len, seen)) - min(map(len, seen)) <= 1, "blocks differ by at most one row"
+
+
+def refused(rows: int) -> str:
+    x, y = data()
+    guide = AutoDelta(global_latent_in_batch_plate)
+    with pytest.raises(ValueError) as error:
+        pd.evaluate_loss(Trace_ELBO(), global_latent_in_batch_plate, guide, (x[:rows], y[:rows]))
+    return str(error.value)
+
+
+def test_a_global_latent_outside_a_batch_sized_plate_is_refused_on_every_worker() -> None:
+    for message in run_workers(refused, N, world_size=2):
+        assert "['w'] lie outside the plate over the data" in message
+        assert "pd.data_plate" in message
+    # Two rows on three workers: worker 0 evaluates nothing, and still raises.
+    idle, *busy = run_workers(refused, 2, world_size=3)
+    assert "another worker refused the model's plates" in idle
+    assert all("['w'] lie outside" in message for message in busy)
+
+
+def test_bad_arguments_are_named() -> None:
+    x, y = data()
+    with pytest.raises(TypeError, match="loss must be an ELBO"):
+        pd.evaluate_loss(None, batch_plate_model, empty_guide, (x, y))
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        pd.evaluate_loss(Trace_ELBO(), batch_plate_model, empty_guide, (x, y), batch_size=0)
+    with pytest.raises(ValueError, match=r"different lengths \[11, 10\]"):
+        pd.evaluate_loss(Trace_ELBO(), batch_plate_model, empty_guide, (x, y[:10]))
+    with pytest.raises(TypeError, match="data must be a tensor, a tuple of tensors"):
+        pd.evaluate_loss(Trace_ELBO(), batch_plate_model, empty_guide, {"x": x})
+
+
+def test_a_plate_sized_for_other_data_is_refused() -> None:
+    x, y = data()
+
+    def trained_size_model(x: torch.Tensor, y: torch.Tensor) -> None:
+        with pyro.plate("data", 1000, subsample=torch.arange(len(x))):
+            pyro.sample("y", dist.Normal(x.sum(-1), 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="plate 'data' has size 1000, but the data passed"):
+        pd.evaluate_loss(Trace_ELBO(), trained_size_model, empty_guide, (x, y), batch_size=4)
