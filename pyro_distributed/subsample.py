@@ -17,11 +17,12 @@ average of the workers' gradients is an unbiased estimate from W*b points.
 With ``by_block=True`` (implied by ``own_local_params=True``) a subsampled
 plate is instead cut into W contiguous blocks, and worker r draws its b
 indices uniformly from block r, fresh at every draw; ``subsample=`` indices
-must lie in block r. Plates that are not subsampled are left whole. Blocks may differ in length by one, so every site inside such a
-plate is scaled by ``W * len(block) / size`` on top of Pyro's ``size / b``:
-each worker's loss then estimates its block's share times W, and the average
-over workers is unbiased for the whole plate. With ``own_local_params=True``
-the local parameters of such plates hold block r's rows only
+must lie in block r. Plates that are not subsampled are left whole. Blocks
+may differ in length by one, so every site inside such a plate is scaled by
+``W * len(block) / size`` on top of Pyro's ``size / b``: each worker's loss
+then estimates its block's share times W, and the average over workers is
+unbiased for the whole plate. With ``own_local_params=True`` the local
+parameters of such plates hold block r's rows only
 (:mod:`pyro_distributed.ownership`).
 """
 
@@ -92,6 +93,13 @@ class shard_subsamples(Messenger):
         DataLoader with ``pd.ShardSampler(dataset, by_block=True)``. Use a
         local parameter only inside its plate, and the same plate (by name and
         size) every time.
+
+    .. warning::
+        Local rows are initialised by their owner and never copied from worker
+        0, unlike global parameters at their first step. Any initial value is
+        valid for a row only one worker uses; to reproduce the replicated run
+        bitwise, initialise them deterministically (AutoNormal's default
+        ``init_to_feasible`` is; ``init_to_median`` draws at random).
     """
 
     def __init__(self, *, by_block: bool = False, own_local_params: bool = False) -> None:

@@ -21,6 +21,7 @@ import pyro_distributed as pd
 import pyro_distributed.block_checkpoint
 
 from .harness import run_workers
+from .test_checkpoint import assert_same_state
 from .test_ownership import D, N, data, guide, model
 
 LOCAL = ("z_loc", "z_scale")
@@ -65,20 +66,6 @@ def resumed(steps: int, path: str) -> dict[str, Any]:
     return _snapshot(optim)
 
 
-def _same(got: Any, want: Any, where: str = "") -> None:
-    if isinstance(want, torch.Tensor):
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert got.keys() == want.keys(), where
-        for key in want:
-            _same(got[key], want[key], f"{where}/{key}")
-    elif isinstance(want, (list, tuple)):
-        for index, (g, w) in enumerate(zip(got, want, strict=True)):
-            _same(g, w, f"{where}/{index}")
-    else:
-        assert got == want, where
-
-
 def test_resume_at_the_same_world_size_is_bitwise(tmp_path: Path) -> None:
     path = str(tmp_path / "run.pt")
     uninterrupted = run_workers(straight, 10, 4, path)
@@ -87,7 +74,7 @@ def test_resume_at_the_same_world_size_is_bitwise(tmp_path: Path) -> None:
     assert all(".block" in name for name in files[1:]), "one block file per worker"
     again = run_workers(resumed, 10, path)
     for rank in range(2):
-        _same(again[rank], uninterrupted[rank], f"worker {rank}")
+        assert_same_state(again[rank], uninterrupted[rank], f"worker {rank}")
 
 
 def saved_then_state(path: str) -> dict[str, Any]:
@@ -134,7 +121,7 @@ def test_elastic_resume_repartitions_the_blocks(
             assert int(state["step"]) == 6
     for worker in loaded:
         assert torch.equal(worker["values"]["mu_loc"], saved[0]["values"]["mu_loc"])
-        _same(worker["optim"]["mu_loc"], saved[0]["optim"]["mu_loc"], "global state")
+        assert_same_state(worker["optim"]["mu_loc"], saved[0]["optim"]["mu_loc"], "global state")
 
 
 def failing_second_save(path: str) -> dict[str, Any]:
@@ -165,4 +152,4 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact_and_complete(
     assert len(list(tmp_path.iterdir())) == 3, "no file of the failed save is left"
     loaded = run_workers(loaded_state, path, 0)
     for rank, worker in enumerate((first, second)):
-        _same(loaded[rank]["values"], worker["before"]["values"], f"worker {rank}")
+        assert_same_state(loaded[rank]["values"], worker["before"]["values"], f"worker {rank}")

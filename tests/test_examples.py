@@ -101,6 +101,20 @@ def test_script_written_for_pyros_class_runs_unchanged_with_ours(tmp_path: Path)
 
 
 QUICKSTART = ROOT / "examples" / "quickstart.py"
+
+
+def python_or_torchrun(workers: int) -> list[str]:
+    """The command that starts a script as one process, or as ``workers`` under torchrun."""
+    if workers == 1:
+        return [sys.executable]
+    return [
+        str(BIN / "torchrun"),
+        f"--nproc-per-node={workers}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+    ]
+
+
 #: sigma / sqrt(N): the posterior width of each weight with 10,000 rows. A
 #: plate sized by one of two shards would give sqrt(2) times this.
 QUICKSTART_WIDTH = 0.3 / 10_000**0.5
@@ -116,14 +130,7 @@ def quickstart_posterior(output: str) -> tuple[list[float], list[float]]:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_quickstart_gives_the_posterior_of_all_the_data(workers: int) -> None:
-    launcher = [sys.executable]
-    if workers > 1:
-        launcher = [
-            str(BIN / "torchrun"),
-            f"--nproc-per-node={workers}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}",
-        ]
+    launcher = python_or_torchrun(workers)
     output = run([*launcher, str(QUICKSTART)])
     means, widths = quickstart_posterior(output)
     for mean, true in zip(means, [2.0, -1.0, 0.5], strict=True):
@@ -144,14 +151,7 @@ RANDOM_EFFECTS = ROOT / "examples" / "random_effects.py"
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_random_effects_example_recovers_the_effects(workers: int) -> None:
-    launcher = [sys.executable]
-    if workers > 1:
-        launcher = [
-            str(BIN / "torchrun"),
-            f"--nproc-per-node={workers}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}",
-        ]
+    launcher = python_or_torchrun(workers)
     output = run([*launcher, str(RANDOM_EFFECTS), "--groups=2000", "--batch=200", "--steps=1500"])
     assert output.count(f"worker 0 holds {2000 // workers} of 2000 groups' parameters") == 1
     match = re.search(r"correlation with the truth (\S+) \(at best (\S+)\)", output)

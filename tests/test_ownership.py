@@ -21,7 +21,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoDelta, AutoNormal, init_to_mean
 from torch.distributions import constraints
 
 import pyro_distributed as pd
@@ -68,7 +68,13 @@ def optimizer(name: str) -> pyro.optim.PyroOptim:
 def train(own: bool, optim_name: str, guide_name: str, size: int = N) -> dict[str, Any]:
     pd.set_rng_seed(0)
     x = data(size)
-    chosen = guide if guide_name == "hand" else AutoNormal(model, create_plates=plates)
+    chosen = {
+        "hand": lambda: guide,
+        "auto": lambda: AutoNormal(model, create_plates=plates),
+        # A deterministic init: the replicated run copies worker 0's random
+        # initial rows to every worker, while an owner keeps its own.
+        "delta": lambda: AutoDelta(model, create_plates=plates, init_loc_fn=init_to_mean),
+    }[guide_name]()
     optim = pd.DistributedOptimizer(
         optimizer(optim_name), bucket_cap_mb=ONE_BUCKET_PER_PARAM, overlap=False
     )
@@ -88,11 +94,17 @@ def plates(x: torch.Tensor) -> pyro.plate:
     return pyro.plate("data", len(x), subsample_size=BATCH)
 
 
-LOCAL = {"hand": ("z_loc", "z_scale"), "auto": ("AutoNormal.locs.z", "AutoNormal.scales.z")}
+LOCAL = {
+    "hand": ("z_loc", "z_scale"),
+    "auto": ("AutoNormal.locs.z", "AutoNormal.scales.z"),
+    "delta": ("AutoDelta.z",),
+}
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-@pytest.mark.parametrize(("optim_name", "guide_name"), [("adam", "hand"), ("clipped", "auto")])
+@pytest.mark.parametrize(
+    ("optim_name", "guide_name"), [("adam", "hand"), ("clipped", "auto"), ("adam", "delta")]
+)
 def test_ownership_changes_where_rows_live_not_the_numbers(
     workers: int, optim_name: str, guide_name: str
 ) -> None:
@@ -234,3 +246,22 @@ def test_misuse_is_named() -> None:
     assert "plate 'data': subsample index 0 lies outside worker 1's block [20, 41)" in index
     assert "workers disagree on local parameter" in size
     assert "worker 0: plate 'data' of size 41; worker 1: plate 'data' of size 42" in size
+
+
+def drift_check() -> dict[str, str | None]:
+    train(True, "adam", "hand")
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.05}))
+    pd.assert_in_sync()  # local rows differ by design, and are skipped
+    outcome: dict[str, str | None] = {"local rows": None}
+    if pd.rank() == 1:
+        with torch.no_grad():
+            pyro.param("mu_loc").unconstrained().add_(1.0)
+    with pytest.raises(pd.PyroDistributedError) as error:
+        pd.assert_in_sync(optim)
+    outcome["global drift"] = str(error.value)
+    return outcome
+
+
+def test_assert_in_sync_skips_local_rows_but_checks_global_parameters() -> None:
+    for result in run_workers(drift_check):
+        assert "parameter 'mu_loc' differs" in str(result["global drift"])
