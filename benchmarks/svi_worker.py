@@ -75,6 +75,7 @@ OPTIMS = (
     "ours-nooverlap",
     "ours-fp16",
     "ours-pp",
+    "ours-noise",
     "ours-owned",
     "pyro-horovod",
     "ddp",
@@ -360,6 +361,8 @@ def make_optimizer(name: str, options: dict[str, Any]) -> PyroOptim:
         return pyro_distributed.DistributedOptimizer(adam, compression="fp16", **options)
     if name == "ours-pp":
         return pyro_distributed.DistributedOptimizer(adam, multi_tensor=False, **options)
+    if name == "ours-noise":
+        return pyro_distributed.DistributedOptimizer(adam, noise_scale=True, **options)
     if name == "ours-owned":
         return pyro_distributed.DistributedOptimizer(adam, **options)
     if name == "pyro-horovod":
@@ -473,6 +476,18 @@ def in_sync(parameters: Sequence[tuple[str, Tensor]]) -> bool:
     return len(set(digests)) == 1
 
 
+def fitted_cost(parameters: Sequence[tuple[str, Tensor]]) -> dict[str, float]:
+    """The all-reduce cost fitted at this W, and the bytes a step averages."""
+    gradient_bytes = sum(p.numel() * p.element_size() for _, p in parameters)
+    cost = {"gradient_bytes": float(gradient_bytes)}
+    if pyro_distributed.world_size() > 1:
+        sizes = sorted({*pyro_distributed.scaling.DEFAULT_SIZES, gradient_bytes})
+        timings = pyro_distributed.measure_collective(sizes=sizes)
+        fit = pyro_distributed.CollectiveCost.fit(timings, pyro_distributed.world_size())
+        cost.update(latency_s=fit.latency_s, bandwidth=fit.bandwidth)
+    return cost
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument(
@@ -484,6 +499,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json-out", type=Path, help="also write the JSON line here")
     parser.add_argument(
         "--bucket-cap-mb", type=float, help="DistributedOptimizer's bucket_cap_mb (tuning runs)"
+    )
+    parser.add_argument(
+        "--fit-cost",
+        action="store_true",
+        help="after timing, fit the all-reduce cost here (validate_cost_model.py)",
     )
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
@@ -513,10 +533,13 @@ def main() -> None:
     parameters = training.parameters()
     # Local parameters differ across workers by design: compare the rest.
     local = pyro_distributed.ownership.local_params()
-    synced = in_sync([(name, value) for name, value in parameters if name not in local])
+    shared = [(name, value) for name, value in parameters if name not in local]
+    synced = in_sync(shared)
+    cost = fitted_cost(shared) if args.fit_cost else {}
     if pyro_distributed.is_main():
         line = json.dumps(
             {
+                **cost,
                 "workload": args.workload,
                 "optim": args.optim,
                 "world_size": pyro_distributed.world_size(),

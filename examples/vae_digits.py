@@ -28,6 +28,10 @@ The data-parallel pieces, all from ``pyro_distributed`` (``pd``):
 * ``pd.evaluate_loss`` computes the held-out ELBO once over the 297 images:
   each worker evaluates its own block of them (blocks of 149 and 148 on two
   workers), and the parts are added in one collective.
+* With two or more workers, ``noise_scale=True`` measures the gradient noise
+  scale B_simple at every step, from the norms that ride in the gradient
+  sums; the figure shows it over training and the end of the run prints how
+  many workers this batch size can use (``--no-noise-scale`` turns it off).
 * ``pd.save_checkpoint`` is a collective: every worker calls it, worker 0
   writes. ``pd.load_checkpoint(path, optim)`` would resume from it.
 
@@ -45,6 +49,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from pyro.infer import SVI, Trace_ELBO
@@ -147,13 +152,35 @@ def held_out_elbo(vae: VAE, images: Tensor, particles: int) -> float:
     return -loss / len(images)
 
 
-def draw_figure(path: Path, losses: list[float], vae: VAE, held_out: Tensor, seed: int) -> None:
-    """Training curve, held-out digits over their reconstructions, and decoded prior draws."""
-    figure = Figure(figsize=(12, 4.6), layout="constrained")
+def draw_noise_scale(axis: Axes, b_simple: list[float], advice: str) -> None:
+    """B_simple over training, in worker batches, against the number of workers."""
+    steps = torch.arange(1, len(b_simple) + 1)
+    axis.plot(steps, b_simple, color="tab:orange", label="B_simple (moving average)")
+    axis.axhline(pd.world_size(), color="gray", ls="--", lw=1, label="workers in this run")
+    axis.set(xlabel="step", ylabel="worker batches", yscale="log")
+    axis.set_title(f"Gradient noise scale: {advice}", fontsize=8, wrap=True)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="upper left", fontsize=8)
+
+
+def draw_figure(
+    path: Path,
+    losses: list[float],
+    vae: VAE,
+    held_out: Tensor,
+    seed: int,
+    noise: tuple[list[float], str] | None = None,
+) -> None:
+    """Training curve (and noise scale), held-out digits and reconstructions, prior draws."""
+    figure = Figure(figsize=(12, 4.6 if noise is None else 6.4), layout="constrained")
     FigureCanvasAgg(figure)
     left, right = figure.subfigures(1, 2, width_ratios=[1, 1])
 
-    curve = left.subplots()
+    if noise is None:
+        curve = left.subplots()
+    else:
+        curve, below = left.subplots(2, 1, height_ratios=[3, 2])
+        draw_noise_scale(below, *noise)
     steps = torch.arange(1, len(losses) + 1)
     curve.plot(steps, losses, lw=0.5, alpha=0.35, color="tab:blue", label="each step")
     window = max(1, len(losses) // 50)
@@ -200,6 +227,12 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     parser.add_argument("--figure", type=Path, default=Path("vae_digits.png"))
     parser.add_argument("--checkpoint", type=Path, default=Path("vae_digits.pt"))
+    parser.add_argument(
+        "--noise-scale",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure the gradient noise scale (default: with two or more workers)",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # the networks are tiny; one thread per worker is fastest
@@ -217,7 +250,9 @@ def main() -> None:
     sampler = pd.ShardSampler(dataset, shuffle=True, seed=args.seed)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
 
-    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": args.lr}))
+    measure = pd.world_size() > 1 if args.noise_scale is None else args.noise_scale
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": args.lr}), noise_scale=measure)
+    b_simple: list[float] = []  # the noise scale's estimate after every step
     svi = SVI(vae.model, vae.guide, optim, Trace_ELBO())
 
     total = args.epochs * len(loader)
@@ -238,6 +273,8 @@ def main() -> None:
         for indices, images in itertools.islice(loader, total - len(losses)):
             loss = svi.step(images, indices, len(train))
             losses.append(pd.all_mean(loss) / len(train))  # the same on every worker
+            if measure:  # no communication: read from the step's own sums
+                b_simple.append(optim.noise_scale().b_simple)
             bar.update()
             progress = f"epoch {epoch}/{args.epochs}, ELBO {-losses[-1]:.2f}"
             bar.set_postfix_str(progress, refresh=False)
@@ -248,8 +285,12 @@ def main() -> None:
     elbo = held_out_elbo(vae, held_out, particles=10)
     evaluation = time.perf_counter() - evaluation_started
     pd.save_checkpoint(args.checkpoint, optim)
+    noise = optim.noise_scale(batch_size=args.batch_size) if measure else None
     if pd.is_main():
-        draw_figure(args.figure, losses, vae, held_out, args.seed)
+        curve = None if noise is None else (b_simple, noise.advice())
+        draw_figure(args.figure, losses, vae, held_out, args.seed, curve)
+        if noise is not None:
+            print(noise)
         print(f"trained {len(losses)} steps in {elapsed:.1f} s")
         print(f"held-out ELBO per image: {elbo:.3f} nats")
         print(

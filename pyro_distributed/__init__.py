@@ -22,6 +22,7 @@ from .data import ShardSampler, even_batches, shard, shard_indices
 from .errors import PyroDistributedError
 from .evaluate import evaluate_loss
 from .horovod_optim import HorovodOptimizer
+from .noise_scale import NoiseScale
 from .optim import DistributedOptimizer
 from .ownership import gather_param, local_rows
 from .plates import data_plate
@@ -39,16 +40,26 @@ from .runtime import (
     shutdown,
     world_size,
 )
+from .scaling import (
+    CollectiveCost,
+    ScalingProjection,
+    measure_collective,
+    project_scaling,
+    scaling_advice,
+)
 from .seeding import set_rng_seed
 from .subsample import shard_subsamples
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveCost",
     "DistributedOptimizer",
     "HorovodOptimizer",
+    "NoiseScale",
     "Predictive",
     "PyroDistributedError",
+    "ScalingProjection",
     "ShardSampler",
     "all_mean",
     "all_workers",
@@ -65,8 +76,11 @@ __all__ = [
     "load_checkpoint",
     "local_rank",
     "local_rows",
+    "measure_collective",
+    "project_scaling",
     "rank",
     "save_checkpoint",
+    "scaling_advice",
     "set_rng_seed",
     "shard",
     "shard_indices",

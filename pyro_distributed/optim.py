@@ -40,6 +40,7 @@ from .consistency import assert_in_sync
 from .engines import Engine
 from .errors import PyroDistributedError
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
+from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .overlap import BackwardOverlap
 from .ownership import LocalGradients, split_local
 from .reduce import GradientAverager, Reduction
@@ -82,6 +83,11 @@ class DistributedOptimizer(PyroOptim):
     :param overlap: start averaging gradients during backward, as soon as a
         bucket's gradients are complete (:mod:`pyro_distributed.overlap`).
         Bitwise the same results as without; on by default.
+    :param noise_scale: ``True``, or a smoothing factor in (0, 1), measures the
+        gradient noise scale at every step (:meth:`noise_scale`,
+        :mod:`pyro_distributed.noise_scale`); needs two or more workers, else
+        ``ValueError`` here. The norms ride in the gradient buckets (results
+        are unchanged), so pass the same value on every worker.
 
     Example::
 
@@ -143,6 +149,7 @@ class DistributedOptimizer(PyroOptim):
         compression: Compression = "none",
         multi_tensor: bool | None = None,
         overlap: bool = True,
+        noise_scale: bool | float = False,
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
@@ -173,6 +180,7 @@ class DistributedOptimizer(PyroOptim):
             check_every,
             overlap,
             multi_tensor,
+            noise_scale,
         )
 
     def _configure(
@@ -185,6 +193,7 @@ class DistributedOptimizer(PyroOptim):
         check_every: int | None = None,
         overlap: bool = True,
         multi_tensor: bool | None = None,
+        noise_scale: bool | float = False,
     ) -> None:
         """Set up the wrapper; shared by every constructor of this family."""
         if not isinstance(pyro_optim, PyroOptim):
@@ -211,7 +220,8 @@ class DistributedOptimizer(PyroOptim):
         self.num_steps = 0
         cap_bytes = max(1, int(bucket_cap_mb * 2**20))
         self._agreement = ParameterAgreement(engine, cap_bytes)
-        self._averager = GradientAverager(engine, cap_bytes, reduction)
+        self._noise = NoiseScaleEstimator.create(noise_scale, engine.world_size)
+        self._averager = GradientAverager(engine, cap_bytes, reduction, self._noise is not None)
         self._overlap = (
             BackwardOverlap(engine, self._averager) if overlap and engine.world_size > 1 else None
         )
@@ -241,6 +251,8 @@ class DistributedOptimizer(PyroOptim):
         if local:
             finite = self._local.prepare(local) and finite
         if finite:
+            if self._noise is not None and step.tensors:  # before the wrapped optimizer clips
+                self._noise.observe(*self._averager.squared_norms())
             self._step_wrapped([*step.tensors, *local], *args, **kwargs)
         else:
             store = pyro.get_param_store()
@@ -314,6 +326,16 @@ class DistributedOptimizer(PyroOptim):
         if self.nonfinite == "raise":
             raise PyroDistributedError(message)
         warnings.warn(f"{message}; every worker skips this step", RuntimeWarning, stacklevel=3)
+
+    def noise_scale(self, batch_size: int | None = None) -> NoiseScale:
+        """The gradient noise scale so far (needs ``noise_scale=True``); no communication.
+
+        ``batch_size`` (data points per worker per step) adds B_simple in data
+        points. ``print(optim.noise_scale(32))`` shows the figures and a reading.
+        """
+        if self._noise is None:
+            raise ValueError("noise_scale() needs DistributedOptimizer(..., noise_scale=True)")
+        return self._noise.estimate(batch_size)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Step the wrapped optimizer's learning-rate schedulers.

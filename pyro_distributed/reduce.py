@@ -10,6 +10,15 @@ same on every worker (sorted by param-store name).
 After averaging, each parameter's ``.grad`` becomes a view into the averaged
 buffer: no copy back. Pyro's ``zero_grads`` replaces ``.grad`` with fresh
 zeros, so the buffer is released after the step.
+
+For the gradient noise scale (:mod:`pyro_distributed.noise_scale`) the
+averager can also measure squared norms: each bucket then carries this
+worker's squared norm of its gradients in one more float, after the presence
+flags, so their sum over workers arrives with the gradients and costs no
+collective. That needs a wide float on the wire: a compressed bucket (whose
+narrow type could overflow or round the norm away) or one of half-precision
+parameters keeps its norm at home, and those norms travel together in one
+extra float64 all-reduce per step instead.
 """
 
 from __future__ import annotations
@@ -148,10 +157,20 @@ class GradientAverager:
     the wire are the same either way, so the results are bitwise equal.
     """
 
-    def __init__(self, engine: Engine, cap_bytes: int, reduction: Reduction) -> None:
+    def __init__(
+        self, engine: Engine, cap_bytes: int, reduction: Reduction, measure_norms: bool = False
+    ) -> None:
         self._engine = engine
         self._cap_bytes = cap_bytes
         self._reduction = reduction
+        #: Whether to measure squared norms for :meth:`squared_norms`.
+        self.measure_norms = measure_norms
+        # Per bucket, this step: this worker's squared norm (kept where the bucket
+        # cannot carry it) or the decoded sum of all workers' (where it can), and
+        # the squared norm of the averaged gradient.
+        self._local_sq: dict[int, Tensor] = {}
+        self._summed_sq: dict[int, Tensor] = {}
+        self._average_sq: dict[int, Tensor] = {}
         self._plan_key: tuple[int, ...] = ()
         self.buckets: list[Bucket] = []
         #: One collective name per bucket (Horovod pairs collectives by name).
@@ -178,12 +197,28 @@ class GradientAverager:
         then ``extra`` values that ride along (see :meth:`sums_exactly`)."""
         bucket = self.buckets[index]
         members = [self._params[i] for i in bucket.members]
+        carries = self.carries_norm(index)
         tail = torch.tensor(
-            [float(p.grad is not None) for p in members] + list(extra),
+            [float(p.grad is not None) for p in members] + [0.0] * carries + list(extra),
             dtype=bucket.dtype,
             device=bucket.device,
         )
-        return torch.cat([*(_dense_grad(p).reshape(-1) for p in members), tail])
+        flat = torch.cat([*(_dense_grad(p).reshape(-1) for p in members), tail])
+        if self.measure_norms:
+            body = flat[: sum(bucket.numels)]
+            if carries:
+                flat[len(body) + len(members)] = torch.dot(body, body)
+            else:
+                self._local_sq[index] = torch.dot(body, body).double()
+        return flat
+
+    def carries_norm(self, index: int) -> bool:
+        """Whether bucket ``index`` carries this worker's squared norm in its sum."""
+        return (
+            self.measure_norms
+            and self._reduction.compression is None
+            and self.buckets[index].dtype in (torch.float32, torch.float64)
+        )
 
     def sums_exactly(self, index: int) -> bool:
         """Whether bucket ``index`` travels as a plain sum of float32 or float64 values,
@@ -218,11 +253,41 @@ class GradientAverager:
         bucket = self.buckets[index]
         size = sum(bucket.numels)
         present = (flat[size : size + len(bucket.members)] > 0).tolist()
-        chunks = torch.split(flat[:size], bucket.numels)
+        body = flat[:size]
+        if self.measure_norms:
+            self._average_sq[index] = torch.dot(body, body).double()
+            if self.carries_norm(index):
+                self._summed_sq[index] = flat[size + len(bucket.members)].double()
+        chunks = torch.split(body, bucket.numels)
         for slot, (member, chunk) in enumerate(zip(bucket.members, chunks, strict=True)):
             param = self._params[member]
             param.grad = chunk.view_as(param) if present[slot] else None
-        return _all_finite(flat)
+        # The gradients only: flags and riders are finite by construction, and
+        # a squared norm that overflows must not make the step look non-finite.
+        return _all_finite(body)
+
+    def squared_norms(self) -> tuple[float, float]:
+        """``(mean_i |g_i|^2, |mean_i g_i|^2)`` over every worker's gradient g_i of the
+        step just averaged (with ``measure_norms``; after :meth:`unpack` of every bucket).
+
+        A collective when a bucket could not carry its norm (then on every worker
+        alike, since compression and dtypes are the same everywhere).
+        """
+        indices = range(len(self.buckets))
+        # Decoded bucket sums are means over workers, or sums with op="sum".
+        carried = sum((self._summed_sq[i] for i in indices if self.carries_norm(i)), 0.0)
+        small = carried / self._to_mean()
+        kept = [self._local_sq[i] for i in indices if not self.carries_norm(i)]
+        if kept:
+            local = torch.stack(kept).sum().reshape(1)
+            self._engine.allreduce_([local], op="sum")
+            small = small + local[0] / self._engine.world_size
+        average = sum((self._average_sq[i] for i in indices), 0.0)
+        return float(small), float(average) / self._to_mean() ** 2
+
+    def _to_mean(self) -> float:
+        """What turns a decoded value into a mean over workers: the divisor."""
+        return float(self._engine.world_size) if self._reduction.op == "sum" else 1.0
 
     def _scales(self, narrowed: bool) -> tuple[float, float]:
         """Factors applied before and after summation."""

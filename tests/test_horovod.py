@@ -26,6 +26,7 @@ from .harness import WorkerFailure, run_under_horovodrun, run_workers
 from .models import bayesian_regression, param_values, regression_data
 from .test_evaluate import losses
 from .test_faults import drift, nan_on_worker_one, uneven_epoch
+from .test_noise_scale import measured_against_exact
 from .test_predictive import by_data, by_samples
 from .test_runtime import _flags
 from .test_semantics import clip_cases, train_each_elbo, train_each_scheduler
@@ -231,6 +232,7 @@ SCENARIOS: list[tuple[str, Any, tuple[Any, ...]]] = [
     ("every_elbo", train_each_elbo, (False,)),
     ("every_scheduler", train_each_scheduler, (False,)),
     ("clip_cases", clip_cases, (False,)),
+    ("noise_scale", measured_against_exact, (True, "none")),
 ]
 
 
@@ -526,3 +528,9 @@ def test_a_killed_horovod_worker_ends_the_job_quickly_and_is_named(tmp_path: Any
     assert done.returncode != 0
     assert "Process 1 exit with status code 137" in done.stdout + done.stderr
     assert time.monotonic() - start < 60
+
+
+def test_noise_scale_norms_are_exact_on_horovod() -> None:
+    for record in outcome("noise_scale")[0]:
+        assert record["gradient_sq"] == pytest.approx(record["exact_gradient_sq"], rel=1e-4)
+        assert record["trace_sigma"] == pytest.approx(record["exact_trace_sigma"], rel=1e-4)

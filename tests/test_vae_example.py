@@ -59,6 +59,10 @@ def check_outputs(output: tuple[str, str], tmp_path: Path, workers: int) -> None
     assert len(bars) == 1, f"expected worker 0's progress bar only:\n{stderr}"
     assert f"{STEPS}/{STEPS}" in bars[0].split("\r")[-1], bars[0]
 
+    # With two workers the noise scale is measured, and its reading printed once.
+    readings = stdout.count(f"gradient noise scale over {STEPS} steps")
+    assert readings == (1 if workers > 1 else 0), stdout
+
     elbos = re.findall(r"^held-out ELBO per image: (\S+) nats$", stdout, re.MULTILINE)
     assert len(elbos) == 1, stdout
     assert math.isfinite(float(elbos[0])), elbos
