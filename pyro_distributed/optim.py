@@ -44,6 +44,7 @@ from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .overlap import BackwardOverlap
 from .ownership import LocalGradients, split_local
 from .reduce import GradientAverager, Reduction
+from .schedulers import step_schedulers
 
 __all__ = ["DistributedOptimizer"]
 
@@ -255,9 +256,7 @@ class DistributedOptimizer(PyroOptim):
                 self._noise.observe(*self._averager.squared_norms())
             self._step_wrapped([*step.tensors, *local], *args, **kwargs)
         else:
-            store = pyro.get_param_store()
-            names = [*step.names, *(store.param_name(p) or "?" for p in local)]
-            self._refuse_nonfinite(names, [*step.tensors, *local])
+            self._refuse_nonfinite([*step.tensors, *local])
         for name, param in zip(step.names, step.tensors, strict=True):
             if name in step.borrowed:
                 # This worker's SVI will not zero it; a stale average must not
@@ -311,11 +310,12 @@ class DistributedOptimizer(PyroOptim):
         else:
             self.wrapped(params, *args, **kwargs)  # type: ignore[arg-type]
 
-    def _refuse_nonfinite(self, names: Sequence[str], params: Sequence[Tensor]) -> None:
+    def _refuse_nonfinite(self, params: Sequence[Tensor]) -> None:
         """Skip the step (or raise), identically on every worker."""
+        store = pyro.get_param_store()
         bad = [
-            name
-            for name, param in zip(names, params, strict=True)
+            store.param_name(param) or "?"
+            for param in params
             if param.grad is not None and not bool(torch.isfinite(param.grad).all())
         ]
         message = (
@@ -349,33 +349,7 @@ class DistributedOptimizer(PyroOptim):
             With ``ReduceLROnPlateau`` this is a collective: call it on every
             worker, at the same point.
         """
-        wrapped_step = getattr(self.wrapped, "step", None)
-        if wrapped_step is None:
-            raise TypeError(
-                f"the wrapped {type(self.wrapped).__name__} has no step(); only learning-rate "
-                f"schedulers (pyro.optim.PyroLRScheduler) can be stepped"
-            )
-        constructor = getattr(self.wrapped, "pt_scheduler_constructor", None)
-        if isinstance(constructor, type) and issubclass(
-            constructor, torch.optim.lr_scheduler.ReduceLROnPlateau
-        ):
-            args, kwargs = self._averaged_metric(args, kwargs)
-        wrapped_step(*args, **kwargs)
-
-    def _averaged_metric(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if self.engine.world_size == 1:
-            return args, kwargs
-        if args:
-            return (self._metric_mean(args[0]), *args[1:]), kwargs
-        if "metrics" in kwargs:
-            return args, {**kwargs, "metrics": self._metric_mean(kwargs["metrics"])}
-        return args, kwargs
-
-    def _metric_mean(self, metric: Any) -> float:
-        value = metric.detach().item() if isinstance(metric, Tensor) else metric
-        return runtime.float_mean(self.engine, float(value))
+        step_schedulers(self.wrapped, self.engine, args, kwargs)
 
     def _forget_parameters(self) -> None:
         """Drop per-parameter optimizers and sync records after a checkpoint was loaded.
