@@ -81,6 +81,10 @@ class LocalParam:
 
 
 _local: dict[str, LocalParam] = {}
+# Rows of each owned parameter selected since the last optimizer step: the
+# only rows its gradient can be non-zero in (Pyro's SVI zeroes gradients after
+# each step), so the only ones the optimizer needs to scale and check.
+_touched: dict[str, list[Tensor]] = {}
 
 
 def local_params() -> dict[str, LocalParam]:
@@ -206,9 +210,10 @@ def select_rows(param: LocalParam, indices: Tensor, owned: bool) -> Tensor:
     store = pyro.get_param_store()
     unconstrained = _unconstrained(store[param.name])
     offset = param.rows.start if owned else 0
-    selected = unconstrained.index_select(
-        param.axis % unconstrained.dim(), (indices - offset).to(unconstrained.device)
-    )
+    rows = (indices - offset).to(unconstrained.device)
+    selected = unconstrained.index_select(param.axis % unconstrained.dim(), rows)
+    if owned and torch.is_grad_enabled():
+        _touched.setdefault(param.name, []).append(rows)
     # Pyro has no public getter for a parameter's constraint.
     constraint = store._constraints[param.name]
     value: Tensor = transform_to(constraint)(selected)
@@ -230,14 +235,33 @@ def split_local(params: Iterable[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     return replicated, local
 
 
-def scale_local_grads(params: Iterable[Tensor], world_size: int) -> None:
-    """Multiply local gradients by 1/W, in place: what averaging them with W-1
-    zero contributions would give, and bitwise so (the average is computed as a
-    sum, which adds exact zeros, times 1/W)."""
+def scale_local_grads(params: Iterable[Tensor], world_size: int) -> bool:
+    """Multiply local gradients by 1/W, in place; return whether all are finite.
+
+    1/W is what averaging them with W-1 zero contributions gives, and bitwise
+    so: the average is computed as a sum, which adds exact zeros, times 1/W.
+    Only the rows selected since the last step can be non-zero, so only those
+    are scaled and checked: O(batch) work instead of O(N/W).
+    """
     factor = 1.0 / world_size
+    store = pyro.get_param_store()
+    finite = True
     for param in params:
-        if param.grad is not None:
-            param.grad.mul_(factor)
+        name = store.param_name(param)
+        touched = _touched.pop(name, None) if name is not None else None
+        grad = param.grad
+        if grad is None:
+            continue
+        if touched is None or name not in _local:
+            grad.mul_(factor)
+            finite = finite and bool(torch.isfinite(grad).all())
+            continue
+        axis = _local[name].axis % grad.dim()
+        rows = torch.unique(torch.cat(touched))
+        scaled = grad.index_select(axis, rows).mul_(factor)
+        grad.index_copy_(axis, rows, scaled)
+        finite = finite and bool(torch.isfinite(scaled).all())
+    return finite
 
 
 def _named(name: str) -> tuple[LocalParam | None, Tensor]:
@@ -330,12 +354,8 @@ class LocalGradients:
         if fresh:
             _check_plates_agree(self._engine, {name: _local[name] for name in fresh})
             self._agreed.update(fresh)
-        scale_local_grads(params, self._engine.world_size)
-        bad = any(
-            param.grad is not None and not bool(torch.isfinite(param.grad).all())
-            for param in params
-        )
-        flag = torch.tensor([int(bad)], dtype=torch.int64)
+        finite = scale_local_grads(params, self._engine.world_size)
+        flag = torch.tensor([int(not finite)], dtype=torch.int64)
         self._engine.allreduce_([flag], op="max")
         return not bool(flag.item())
 

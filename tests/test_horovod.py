@@ -27,6 +27,8 @@ from .models import bayesian_regression, param_values, regression_data
 from .test_evaluate import losses
 from .test_faults import drift, nan_on_worker_one, uneven_epoch
 from .test_noise_scale import measured_against_exact
+from .test_ownership import gathered_and_local_rows
+from .test_ownership import train as train_locally
 from .test_predictive import by_data, by_samples
 from .test_runtime import _flags
 from .test_semantics import clip_cases, train_each_elbo, train_each_scheduler
@@ -460,8 +462,23 @@ SUITES: dict[str, list[tuple[str, Any, tuple[Any, ...]]]] = {
         ("by_samples", by_samples, (0, "main")),
         ("by_data", by_data, (1,)),
         ("flags", _flags, ()),
+        ("owned", train_locally, (True, "adam", "hand")),
+        ("replicated", train_locally, (False, "adam", "hand")),
+        ("gathered", gathered_and_local_rows, ()),
     ],
 }
+
+
+def test_local_parameters_on_horovod_are_the_replicated_numbers() -> None:
+    owned = outcome("owned", suite="evaluation")
+    replicated = outcome("replicated", suite="evaluation")
+    for rank, (mine, reference) in enumerate(zip(owned, replicated, strict=True)):
+        indices, _ = mine["local"]["z_loc"]
+        assert torch.equal(mine["values"]["mu_loc"], reference["values"]["mu_loc"])
+        assert torch.equal(mine["values"]["z_loc"], reference["values"]["z_loc"][indices]), rank
+    gathered = outcome("gathered", suite="evaluation")
+    assert torch.equal(gathered[0]["gathered"], replicated[0]["values"]["z_loc"])
+    assert gathered[1]["gathered"] is None
 
 
 def test_evaluation_prediction_and_flags_on_horovod_match_one_process() -> None:
