@@ -115,6 +115,7 @@ def main() -> None:
         "tables": tables,
         "targets": targets(tables.get(TARGET_WORKLOAD, {})),
     }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "local_results.json").write_text(json.dumps(results, indent=1) + "\n")
     report = markdown(results)
     (args.output_dir / "LOCAL_RESULTS.md").write_text(report)
