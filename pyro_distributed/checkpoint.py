@@ -214,7 +214,6 @@ def _restore_local(
     current = dict(store.named_parameters())
     ownership.forget(local)
     for name, value in values.items():
-        ownership.register(local[name])
         if name in current and current[name].shape == value.shape:
             with torch.no_grad():
                 current[name].copy_(value)
@@ -223,6 +222,7 @@ def _restore_local(
         else:
             fresh = value.clone().requires_grad_(True)
             store.set_state({"params": {name: fresh}, "constraints": {name: constraints[name]}})
+        ownership.register(local[name])
 
 
 def _check_optim(optim: object) -> None:

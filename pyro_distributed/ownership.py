@@ -47,7 +47,10 @@ from .gather import Destination, gather_pieces
 __all__ = [
     "LocalGradients",
     "LocalParam",
+    "create",
+    "forget",
     "gather_param",
+    "local_param",
     "local_params",
     "local_rows",
     "localize",
@@ -80,34 +83,59 @@ class LocalParam:
         return block_range(self.size)
 
 
-_local: dict[str, LocalParam] = {}
+# Each local parameter, with the unconstrained tensor it was registered for:
+# a parameter re-created under the same name (pyro.clear_param_store(), say)
+# is a new parameter, not a local one, until it is used in its plate again.
+_local: dict[str, tuple[LocalParam, weakref.ref[Tensor]]] = {}
 # Rows of each owned parameter selected since the last optimizer step: the
 # only rows its gradient can be non-zero in (Pyro's SVI zeroes gradients after
 # each step), so the only ones the optimizer needs to scale and check.
 _touched: dict[str, list[Tensor]] = {}
 
 
+def _stored(name: str) -> Tensor | None:
+    """The param store's unconstrained tensor for ``name`` (Pyro's own map: the
+    public getters compute the constrained value, O(N) for a large parameter)."""
+    tensor: Tensor | None = pyro.get_param_store()._params.get(name)
+    return tensor
+
+
+def local_param(name: str, tensor: Tensor | None = None) -> LocalParam | None:
+    """``name``'s record if it is local: registered for ``tensor`` (default: the
+    param store's current tensor of that name)."""
+    entry = _local.get(name)
+    if entry is None:
+        return None
+    current = tensor if tensor is not None else _stored(name)
+    return entry[0] if current is not None and entry[1]() is current else None
+
+
 def local_params() -> dict[str, LocalParam]:
-    """The parameters known to be local in this process, by param-store name."""
-    return _local
+    """The parameters that are local in this process, by param-store name."""
+    return {name: param for name in list(_local) if (param := local_param(name)) is not None}
 
 
 def register(param: LocalParam) -> None:
-    """Record ``param`` as local; the same name must keep the same plate and size."""
-    known = _local.get(param.name)
+    """Record ``param``, as the param store holds it now, as local; while it is,
+    the same name must keep the same plate and size."""
+    known = local_param(param.name)
     if known is not None and known != param:
         raise ValueError(
             f"local parameter {param.name!r} was declared along plate {known.plate!r} of "
             f"size {known.size} (axis {known.axis}) and is now used along plate "
             f"{param.plate!r} of size {param.size} (axis {param.axis})"
         )
-    _local[param.name] = param
+    tensor = _stored(param.name)
+    if tensor is None:
+        raise KeyError(f"no parameter named {param.name!r} in the param store")
+    _local[param.name] = (param, weakref.ref(tensor))
 
 
 def forget(names: Iterable[str]) -> None:
     """Drop the record of these parameters (after a checkpoint replaced them)."""
     for name in names:
         _local.pop(name, None)
+        _touched.pop(name, None)
 
 
 def create(param: LocalParam, init: Any, constraint: Any) -> None:
@@ -119,7 +147,9 @@ def create(param: LocalParam, init: Any, constraint: Any) -> None:
         value = init() if callable(init) else init
         _length_along(value, param)
         store.setdefault(param.name, value, constraint or constraints.real)
-    length = _length_along(store[param.name], param)
+    stored = _stored(param.name)
+    assert stored is not None
+    length = _length_along(stored, param)
     if length != param.size:
         raise ValueError(
             f"parameter {param.name!r} has {length} rows along plate {param.plate!r} "
@@ -231,7 +261,9 @@ def split_local(params: Iterable[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     replicated: list[Tensor] = []
     local: list[Tensor] = []
     for param in params:
-        (local if store.param_name(param) in _local else replicated).append(param)
+        name = store.param_name(param)
+        is_local = name is not None and local_param(name, param) is not None
+        (local if is_local else replicated).append(param)
     return replicated, local
 
 
@@ -249,14 +281,15 @@ def scale_local_grads(params: Iterable[Tensor], world_size: int) -> bool:
     for param in params:
         name = store.param_name(param)
         touched = _touched.pop(name, None) if name is not None else None
+        record = local_param(name, param) if name is not None else None
         grad = param.grad
         if grad is None:
             continue
-        if touched is None or name not in _local:
+        if touched is None or record is None:
             grad.mul_(factor)
             finite = finite and bool(torch.isfinite(grad).all())
             continue
-        axis = _local[name].axis % grad.dim()
+        axis = record.axis % grad.dim()
         rows = torch.unique(torch.cat(touched))
         scaled = grad.index_select(axis, rows).mul_(factor)
         grad.index_copy_(axis, rows, scaled)
@@ -268,7 +301,7 @@ def _named(name: str) -> tuple[LocalParam | None, Tensor]:
     store = pyro.get_param_store()
     if name not in store:
         raise KeyError(f"no parameter named {name!r} in the param store")
-    return _local.get(name), store[name].detach()
+    return local_param(name), store[name].detach()
 
 
 def local_rows(name: str) -> tuple[Tensor, Tensor]:
@@ -352,7 +385,7 @@ class LocalGradients:
         names = [store.param_name(param) for param in params]
         fresh = sorted(name for name in names if name is not None and name not in self._agreed)
         if fresh:
-            _check_plates_agree(self._engine, {name: _local[name] for name in fresh})
+            _check_plates_agree(self._engine, {name: _local[name][0] for name in fresh})
             self._agreed.update(fresh)
         finite = scale_local_grads(params, self._engine.world_size)
         flag = torch.tensor([int(not finite)], dtype=torch.int64)

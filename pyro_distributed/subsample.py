@@ -185,7 +185,7 @@ class shard_subsamples(Messenger):
             ),
             None,
         )
-        known = ownership.local_params().get(name)
+        known = ownership.local_param(name)
         if frame is None or event_dim is None or frame.dim is None:
             if known is not None and self.own_local_params:
                 raise ValueError(
@@ -198,8 +198,8 @@ class shard_subsamples(Messenger):
         init = msg["args"][1] if len(msg["args"]) > 1 else None
         constraint = msg["kwargs"].get("constraint")
         if self.own_local_params:
-            ownership.register(param)
             ownership.localize(param, init, constraint)
+            ownership.register(param)
         else:
             ownership.create(param, init, constraint)
         msg["value"] = ownership.select_rows(param, indices, owned=self.own_local_params)

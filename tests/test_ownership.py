@@ -265,3 +265,18 @@ def drift_check() -> dict[str, str | None]:
 def test_assert_in_sync_skips_local_rows_but_checks_global_parameters() -> None:
     for result in run_workers(drift_check):
         assert "parameter 'mu_loc' differs" in str(result["global drift"])
+
+
+def owned_then_replicated() -> dict[str, Any]:
+    train(True, "adam", "hand")
+    pyro.clear_param_store()  # the same names, new parameters: no longer local
+    return train(False, "adam", "hand")
+
+
+def test_a_recreated_parameter_is_no_longer_local() -> None:
+    fresh = run_workers(train, False, "adam", "hand")
+    again = run_workers(owned_then_replicated)
+    for rank in range(2):
+        assert again[rank]["local"] == {}
+        for name, value in fresh[rank]["values"].items():
+            assert torch.equal(again[rank]["values"][name], value), name
