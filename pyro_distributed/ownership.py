@@ -173,7 +173,8 @@ def localize(param: LocalParam, init: Any = None, constraint: Any = None) -> Non
         value = init() if callable(init) else init
         store.setdefault(param.name, _block_of(param, value), constraint or constraints.real)
         return
-    unconstrained = _unconstrained(store[param.name])
+    unconstrained = _stored(param.name)
+    assert unconstrained is not None
     if _length_along(unconstrained, param) != len(param.rows):
         replace_unconstrained(param.name, _block_of(param, unconstrained.detach()).clone())
 
@@ -211,12 +212,6 @@ def replace_unconstrained(name: str, value: Tensor) -> None:
     store._param_to_name[value] = name
 
 
-def _unconstrained(constrained: Tensor) -> Tensor:
-    """The param store's unconstrained tensor behind a constrained value it returned."""
-    unconstrained: Tensor = constrained.unconstrained()  # type: ignore[attr-defined]
-    return unconstrained
-
-
 def _length_along(tensor: Tensor, param: LocalParam) -> int:
     if tensor.dim() < -param.axis:
         raise ValueError(
@@ -238,7 +233,10 @@ def select_rows(param: LocalParam, indices: Tensor, owned: bool) -> Tensor:
     block could otherwise drift from the replicated run in the last bit.
     """
     store = pyro.get_param_store()
-    unconstrained = _unconstrained(store[param.name])
+    # Not store[name]: that would constrain all the rows, to select a few.
+    unconstrained = _stored(param.name)
+    if unconstrained is None:
+        raise KeyError(f"no parameter named {param.name!r} in the param store")
     offset = param.rows.start if owned else 0
     rows = (indices - offset).to(unconstrained.device)
     selected = unconstrained.index_select(param.axis % unconstrained.dim(), rows)
