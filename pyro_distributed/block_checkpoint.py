@@ -132,10 +132,13 @@ def load_blocks(
             start, stop = max(old.start, new.start), min(old.stop, new.stop)
             if start >= stop:
                 continue
-            value = saved["params"][name]
-            pieces[name].append((start, value.narrow(param.axis, start - old.start, stop - start)))
+            overlap = range(start, stop)
+            value = saved["params"][name].narrow(param.axis, start - old.start, len(overlap))
+            # Copies, not views, so that the saved file's tensors can be freed.
+            pieces[name].append((start, value.clone()))
             if name in saved["optim"]:
-                states[name].append((old, range(start, stop), saved["optim"][name]))
+                part = _join_states([(old, overlap, saved["optim"][name])], param.axis)
+                states[name].append((overlap, overlap, part))
         del saved  # one saved file in memory at a time
     values = {}
     for name, param in params.items():
