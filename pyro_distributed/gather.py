@@ -54,8 +54,8 @@ def gather_pieces(
 
     :param pieces: this worker's piece of each named result.
     :param axes: for each name, the axis along which pieces join, or ``None``
-        for a result that every worker holds whole and identical (worker 0's
-        copy is used, after checking that all copies are equal).
+        for a result that every worker holds whole and identical (checked by
+        digest; each worker keeps its own copy).
     :param to: ``"main"``: worker 0 returns the results, others ``None``;
         ``"all"``: every worker returns them.
     :raises PyroDistributedError: on every worker, if workers hold different
@@ -73,15 +73,11 @@ def gather_pieces(
         dtype = specs[0][name][1]
         axis = axes[name]
         if axis is None:
+            # Every worker holds it, and the digests prove the copies equal:
+            # nothing needs to travel.
             _check_shared(name, [spec[name][2] for spec in specs])
-            result = (
-                pieces[name].detach().clone()
-                if engine.rank == 0
-                else torch.empty(shapes[0], dtype=dtype)
-            )
-            _broadcast(engine, result, src=0)
             if keep:
-                results[name] = result
+                results[name] = pieces[name].detach().clone()
             continue
         whole = _joined_shape(name, shapes, axis)
         result = torch.empty(whole, dtype=dtype) if keep else torch.empty(0, dtype=dtype)

@@ -144,5 +144,5 @@ def test_gather_pieces_streams_one_broadcast_per_piece_in_rank_order() -> None:
     assert result["flags"].tolist() == [True, False, False]
     assert result["shared"].tolist() == [0, 1, 2]
     # One object all-gather for the shapes, then a broadcast per worker's piece
-    # (two joined results) plus one for the shared result.
-    assert calls == [("allgather_object", 1)] + [("broadcast", 1)] * 5
+    # (two joined results); the shared result, checked by digest, does not travel.
+    assert calls == [("allgather_object", 1)] + [("broadcast", 1)] * 4
