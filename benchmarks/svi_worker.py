@@ -38,6 +38,7 @@ from typing import Any
 import pyro
 import pyro.distributions as dist
 import torch
+from memory import state_bytes
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule
@@ -45,7 +46,6 @@ from pyro.optim import PyroOptim
 from torch import Tensor, nn
 
 import pyro_distributed
-from pyro_distributed.ownership import state_bytes
 
 SEED = 20240601
 LEARNING_RATE = 1e-3
@@ -481,7 +481,7 @@ def fitted_cost(parameters: Sequence[tuple[str, Tensor]]) -> dict[str, float]:
     gradient_bytes = sum(p.numel() * p.element_size() for _, p in parameters)
     cost = {"gradient_bytes": float(gradient_bytes)}
     if pyro_distributed.world_size() > 1:
-        sizes = sorted({*pyro_distributed.scaling.DEFAULT_SIZES, gradient_bytes})
+        sizes = sorted({*pyro_distributed.optim.scaling.DEFAULT_SIZES, gradient_bytes})
         timings = pyro_distributed.measure_collective(sizes=sizes)
         fit = pyro_distributed.CollectiveCost.fit(timings, pyro_distributed.world_size())
         cost.update(latency_s=fit.latency_s, bandwidth=fit.bandwidth)
@@ -532,7 +532,7 @@ def main() -> None:
     seconds = time_steps(training, args.steps, args.warmup)
     parameters = training.parameters()
     # Local parameters differ across workers by design: compare the rest.
-    local = pyro_distributed.ownership.local_params()
+    local = pyro_distributed.local.ownership.local_params()
     shared = [(name, value) for name, value in parameters if name not in local]
     synced = in_sync(shared)
     cost = fitted_cost(shared) if args.fit_cost else {}

@@ -17,16 +17,24 @@ Example::
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .consistency import assert_in_sync
-from .data import ShardSampler, even_batches, shard, shard_indices
+from .data.plates import data_plate
+from .data.shards import ShardSampler, even_batches, shard, shard_indices
+from .data.subsample import shard_subsamples
 from .errors import PyroDistributedError
-from .evaluate import evaluate_loss
-from .horovod_optim import HorovodOptimizer
-from .noise_scale import NoiseScale
-from .optim import DistributedOptimizer
-from .ownership import gather_param, local_rows
-from .plates import data_plate
-from .predictive import Predictive
+from .evaluation.loss import evaluate_loss
+from .evaluation.predictive import Predictive
+from .local.ownership import gather_param, local_rows
+from .optim.consistency import assert_in_sync
+from .optim.distributed import DistributedOptimizer
+from .optim.horovod import HorovodOptimizer
+from .optim.noise_scale import NoiseScale
+from .optim.scaling import (
+    CollectiveCost,
+    ScalingProjection,
+    measure_collective,
+    project_scaling,
+    scaling_advice,
+)
 from .runtime import (
     all_mean,
     all_workers,
@@ -40,15 +48,7 @@ from .runtime import (
     shutdown,
     world_size,
 )
-from .scaling import (
-    CollectiveCost,
-    ScalingProjection,
-    measure_collective,
-    project_scaling,
-    scaling_advice,
-)
 from .seeding import set_rng_seed
-from .subsample import shard_subsamples
 
 __version__ = "0.1.0"
 

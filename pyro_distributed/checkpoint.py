@@ -12,10 +12,10 @@ Saving and loading are collectives, called on every worker:
 * :func:`load_checkpoint` has worker 0 read and check the file and send its
   bytes to the others, so only worker 0 needs to see the file system.
 
-Local parameters (:mod:`pyro_distributed.ownership`) are the exception: each
+Local parameters (:mod:`pyro_distributed.local.ownership`) are the exception: each
 worker writes and reads its own blocks of them, beside worker 0's file, and
 they are re-partitioned when the number of workers changed
-(:mod:`pyro_distributed.block_checkpoint`).
+(:mod:`pyro_distributed.local.blocks`).
 """
 
 from __future__ import annotations
@@ -29,16 +29,17 @@ import pyro
 import pyro.util
 import torch
 
-from . import ownership
-from .block_checkpoint import (
+from .errors import PyroDistributedError
+from .internals import replace_unconstrained
+from .local import ownership
+from .local.blocks import (
     load_blocks,
     new_token,
     remove_blocks,
     save_blocks,
     write_atomically,
 )
-from .errors import PyroDistributedError
-from .optim import DistributedOptimizer
+from .optim.distributed import DistributedOptimizer
 from .seeding import block_generator, shared_generator
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -218,7 +219,7 @@ def _restore_local(
             with torch.no_grad():
                 current[name].copy_(value)
         elif name in current:
-            ownership.replace_unconstrained(name, value)  # it still held all N rows
+            replace_unconstrained(name, value)  # it still held all N rows
         else:
             fresh = value.clone().requires_grad_(True)
             store.set_state({"params": {name: fresh}, "constraints": {name: constraints[name]}})

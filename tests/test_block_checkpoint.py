@@ -18,7 +18,7 @@ import torch
 from pyro.infer import SVI, Trace_ELBO
 
 import pyro_distributed as pd
-import pyro_distributed.block_checkpoint
+import pyro_distributed.local.blocks
 
 from .harness import run_workers
 from .test_checkpoint import assert_same_state
@@ -135,7 +135,7 @@ def failing_second_save(path: str) -> dict[str, Any]:
         def refuse(target: Path, state: Any) -> None:
             raise OSError("disk full (injected)")
 
-        pyro_distributed.block_checkpoint.write_atomically = refuse  # type: ignore[assignment]
+        pyro_distributed.local.blocks.write_atomically = refuse  # type: ignore[assignment]
     with pytest.raises(pd.PyroDistributedError) as error:
         pd.save_checkpoint(path, optim)
     return {"before": before, "error": str(error.value)}

@@ -52,7 +52,7 @@ def train(multi_tensor: bool | None, steps: int, exact: bool = True) -> dict[str
         results[case] = {
             "params": param_values(),
             "state": optim.get_state(),
-            "grouped": optim._stepper is not None,
+            "grouped": optim.grouped,
             "optim_objs": len(optim.optim_objs),
         }
     return results

@@ -29,8 +29,8 @@ from pyro.infer import SVI, Trace_ELBO
 from torch import Tensor
 
 import pyro_distributed as pd
-from pyro_distributed.noise_scale import NoiseScale
-from pyro_distributed.reduce import GradientAverager, Reduction
+from pyro_distributed.exchange.averager import GradientAverager, Reduction
+from pyro_distributed.optim.noise_scale import NoiseScale
 
 from .harness import CountingEngine, run_workers
 

@@ -85,8 +85,8 @@ def train(scenario: str, overlap: bool) -> tuple[dict[str, torch.Tensor], bool]:
         if scenario == "diagnostic" and pd.rank() == 0 and step >= 3:
             diagnose(x, y)
         svi.step(x, y, skipped(scenario, step))
-    assert optim._overlap is not None or not overlap
-    armed = optim._overlap is not None and optim._overlap.armed
+    assert optim.sync is not None and optim.sync.overlaps == overlap
+    armed = optim.sync.overlap_armed
     return param_values(), armed
 
 
@@ -161,7 +161,8 @@ def _other_collective_between_backward_and_step() -> dict[str, Any]:
         params = {site["value"].unconstrained() for site in capture.trace.nodes.values()}
         optim(params)
         pyro.infer.util.zero_grads(params)
-    return {"means": means, "params": param_values(), "armed": optim._overlap.armed}  # type: ignore[union-attr]
+    assert optim.sync is not None
+    return {"means": means, "params": param_values(), "armed": optim.sync.overlap_armed}
 
 
 def test_a_collective_between_backward_and_step_does_not_pair_with_a_bucket() -> None:
@@ -175,11 +176,11 @@ def test_a_collective_between_backward_and_step_does_not_pair_with_a_bucket() ->
 
 def test_summed_digests_show_any_disagreement() -> None:
     def summed(*digests: int) -> list[float]:
-        columns = zip(*(pd.agreement.digest_floats(d) for d in digests), strict=True)
+        columns = zip(*(pd.exchange.agreement.digest_floats(d) for d in digests), strict=True)
         return [sum(column) for column in columns]
 
     same = 0x1234_5678_9ABC_DEF0
-    assert pd.agreement.digests_equal(summed(same, same, same), 3)
+    assert pd.exchange.agreement.digests_equal(summed(same, same, same), 3)
     # Bytes 1 and 3 against 2 and 2: equal sums, so only the squares tell.
-    assert not pd.agreement.digests_equal(summed(0x01, 0x03), 2)
-    assert not pd.agreement.digests_equal(summed(same, same, same ^ (1 << 61)), 3)
+    assert not pd.exchange.agreement.digests_equal(summed(0x01, 0x03), 2)
+    assert not pd.exchange.agreement.digests_equal(summed(same, same, same ^ (1 << 61)), 3)

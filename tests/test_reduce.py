@@ -6,7 +6,8 @@ import pyro
 import torch
 
 import pyro_distributed as pd
-from pyro_distributed.reduce import GradientAverager, Reduction, plan_buckets
+from pyro_distributed.exchange.averager import GradientAverager, Reduction
+from pyro_distributed.exchange.layout import plan_buckets
 
 from .harness import run_workers
 

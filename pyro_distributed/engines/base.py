@@ -4,7 +4,7 @@ An engine is the only place that talks to a transport (torch.distributed,
 Horovod, or nothing at all). It offers a handful of collectives on tensors and
 picklable objects and knows its own rank and world size. Everything that knows
 about Pyro (param-store names, optimizers, plates) lives above it, in
-:mod:`pyro_distributed.optim` and friends, so that adding an engine means adding
+:mod:`pyro_distributed.optim.distributed` and friends, so that adding an engine means adding
 one module beside this one and one line in :mod:`pyro_distributed.engines`.
 
 Collectives are blocking: when one returns, its result is in place on this

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous
 
 from ..errors import PyroDistributedError
+from ..internals import PrefixStore
 from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
 
 __all__ = ["TorchEngine"]

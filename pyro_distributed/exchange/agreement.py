@@ -5,45 +5,47 @@ order differs between processes, and each worker builds its own list. Before
 any gradient travels, the workers must agree on one sorted list, or their
 fused buffers would not line up and a collective would hang or mix values.
 
-The common case costs one tiny collective per step: every worker hashes the
-sorted names it was given, plus name, shape and dtype of the parameters it
-has never synchronised before, and a max-reduction of ``(h, -h)`` tells every
-worker at once whether all hashes are equal. With overlap the hash costs no
-collective of its own: it rides, as :func:`digest_floats`, in the sum of the
-last gradient bucket (:mod:`pyro_distributed.overlap`). Only when they differ do the
+Tensors are known by names that every worker shares (the front end chooses
+them: param-store names for Pyro's optimizers). The common case costs one tiny
+collective per step: every worker hashes the sorted names it was given, plus
+name, shape and dtype of the parameters it has never synchronised before, and
+a max-reduction of ``(h, -h)`` tells every worker at once whether all hashes
+are equal. With overlap the hash costs no collective of its own: it rides, as
+:func:`digest_floats`, in the sum of the last gradient bucket
+(:mod:`pyro_distributed.exchange.overlap`). Only when they differ do the
 workers exchange their full lists (one object all-gather), and then all of
 them reach the same verdict from the same data:
 
-* a parameter passed by some workers and present in every worker's param
-  store joins the step everywhere (workers that did not use it contribute a
+* a parameter passed by some workers and present in every worker's catalog
+  (its param store) joins the step everywhere (workers that did not use it contribute a
   zero gradient);
 * a parameter missing from some worker's store, one whose shape or dtype
   differs, or one that was re-created on only some workers, makes every worker
   raise :class:`~pyro_distributed.PyroDistributedError` naming it and the
   workers involved.
 
-New parameters (first seen, or re-created with the same name) then take
-worker 0's values, so lazily initialised guides start identical everywhere.
+New parameters (first seen, or re-created with the same name) then take worker
+0's values, so lazily initialised guides start identical everywhere.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import pyro
 import torch
 from torch import Tensor
 
-from .engines import Engine
-from .errors import PyroDistributedError
-from .reduce import broadcast_values_
+from ..engines import Engine
+from ..errors import PyroDistributedError
+from .layout import broadcast_values_
 
 __all__ = [
     "DIGEST_FLOATS",
     "MAX_SUMMED_WORKERS",
+    "Catalog",
     "ParameterAgreement",
     "Proposal",
     "Settlement",
@@ -58,6 +60,8 @@ DIGEST_FLOATS = 16
 MAX_SUMMED_WORKERS = 2**24 // 255**2
 
 Spec = tuple[tuple[int, ...], str]  # shape, dtype
+#: Every tensor a worker could step, by name (see :meth:`ParameterAgreement.settle`).
+Catalog = Callable[[], Mapping[str, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -134,9 +138,11 @@ def _workers(ranks: Iterable[int]) -> str:
 class ParameterAgreement:
     """Tracks which parameters have been synchronised, and agrees on each step's list."""
 
-    def __init__(self, engine: Engine, cap_bytes: int) -> None:
+    def __init__(self, engine: Engine, cap_bytes: int, catalog_name: str = "param store") -> None:
         self._engine = engine
         self._cap_bytes = cap_bytes
+        # What the catalog is called in messages ("param store", "optimizer").
+        self._catalog_name = catalog_name
         # name -> the unconstrained tensor that was synchronised under that name
         self._synced: dict[str, Tensor] = {}
 
@@ -144,23 +150,16 @@ class ParameterAgreement:
         """Treat every parameter as new again (after a checkpoint was loaded)."""
         self._synced.clear()
 
-    def propose(self, params: Iterable[Tensor]) -> Proposal:
-        """This worker's view of the step, before any communication."""
-        store = pyro.get_param_store()
-        given: dict[str, Tensor] = {}
-        for param in params:
-            name = store.param_name(param)
-            if name is None:
-                raise ValueError(
-                    f"a tensor of shape {tuple(param.shape)} passed to the optimizer is not in "
-                    f"Pyro's param store; distributed optimizers name parameters by their "
-                    f"param-store names (create them with pyro.param or a PyroModule)"
-                )
-            given[name] = param
+    def propose(self, given: Mapping[str, Tensor]) -> Proposal:
+        """This worker's view of the step, before any communication.
+
+        :param given: the tensors this worker steps, by the names that every
+            worker knows them by (param-store names, module paths, ...).
+        """
         names = sorted(given)
         new = [name for name in names if self._synced.get(name) is not given[name]]
         digest = _digest(names, [(name, _spec(given[name])) for name in new])
-        return Proposal(tuple(names), given, tuple(new), digest)
+        return Proposal(tuple(names), dict(given), tuple(new), digest)
 
     def accept(self, proposal: Proposal) -> StepParams:
         """The step, when every worker is known to have proposed it and nothing is new."""
@@ -168,11 +167,15 @@ class ParameterAgreement:
         tensors = tuple(proposal.given[name] for name in proposal.names)
         return StepParams(proposal.names, tensors, frozenset())
 
-    def settle(self, proposal: Proposal, riders: Sequence[int] = ()) -> Settlement:
+    def settle(
+        self, proposal: Proposal, catalog: Catalog, riders: Sequence[int] = ()
+    ) -> Settlement:
         """Agree on ``proposal`` with every worker; max-reduce ``riders`` on the way.
 
-        ``riders`` (non-negative ints) travel in the same collective as the
-        digest, which saves the caller a round trip.
+        ``catalog`` returns every tensor this worker could step, by name: when
+        the workers proposed different tensors, one used only elsewhere joins
+        the step here from it. ``riders`` (non-negative ints) travel in the
+        same collective as the digest, which saves the caller a round trip.
         """
         names, given, new = list(proposal.names), proposal.given, list(proposal.new)
         header = torch.tensor([proposal.digest, -proposal.digest, *riders], dtype=torch.int64)
@@ -181,7 +184,7 @@ class ParameterAgreement:
         borrowed: frozenset[str] = frozenset()
         if not unanimous:
             mine = frozenset(given)
-            names, given, new = self._reconcile(given)
+            names, given, new = self._reconcile(given, catalog())
             borrowed = frozenset(given) - mine
         if new:
             broadcast_values_(self._engine, [given[name] for name in new], self._cap_bytes)
@@ -190,11 +193,9 @@ class ParameterAgreement:
         return Settlement(step, unanimous and not new, header[2:].tolist())
 
     def _reconcile(
-        self, given: dict[str, Tensor]
+        self, given: Mapping[str, Tensor], in_store: Mapping[str, Tensor]
     ) -> tuple[list[str], dict[str, Tensor], list[str]]:
         """The slow path: gather every worker's view and decide identically everywhere."""
-        store = pyro.get_param_store()
-        in_store = dict(store.named_parameters())
         mine = {
             "given": sorted(given),
             "store": {name: _spec(tensor) for name, tensor in in_store.items()},
@@ -202,13 +203,15 @@ class ParameterAgreement:
         }
         views = self._engine.allgather_object(mine)
         union = sorted(set().union(*(view["given"] for view in views)))
-        _raise_on_disagreement(union, views)
+        _raise_on_disagreement(union, views, self._catalog_name)
         my_given = {name: in_store[name] for name in union}
         new = [name for name in union if name not in mine["synced"]]
         return union, my_given, new
 
 
-def _raise_on_disagreement(union: list[str], views: list[dict[str, Any]]) -> None:
+def _raise_on_disagreement(
+    union: list[str], views: list[dict[str, Any]], catalog_name: str
+) -> None:
     ranks = range(len(views))
     problems = []
     for name in union:
@@ -217,7 +220,7 @@ def _raise_on_disagreement(union: list[str], views: list[dict[str, Any]]) -> Non
         if lacking:
             problems.append(
                 f"parameter {name!r} is used on {_workers(givers)} but does not exist in the "
-                f"param store of {_workers(lacking)}"
+                f"{catalog_name} of {_workers(lacking)}"
             )
             continue
         specs = {r: views[r]["store"][name] for r in ranks}

@@ -25,7 +25,7 @@ Where the numbers come from: :class:`~pyro_distributed.reduce.GradientAverager`
 lets each worker's squared norm ride in the gradient buckets' sums, so
 ``small`` costs no collective; ``big`` is read from the averaged gradient.
 Both are taken before the wrapped optimizer steps, so clipping does not
-distort them. Local parameters (:mod:`pyro_distributed.ownership`) never
+distort them. Local parameters (:mod:`pyro_distributed.local.ownership`) never
 travel and are not part of the measurement. Steps whose averaged gradient
 is not finite are skipped by every worker and leave the averages alone.
 

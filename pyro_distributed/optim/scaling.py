@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 import pyro
 import torch
 
-from . import runtime
-from .engines import Engine
+from .. import runtime
+from ..engines import Engine
 from .noise_scale import NoiseScale
 
 if TYPE_CHECKING:
-    from .optim import DistributedOptimizer
+    from .distributed import DistributedOptimizer
 
 __all__ = [
     "CollectiveCost",

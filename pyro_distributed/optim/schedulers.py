@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import runtime
-from .engines import Engine
+from .. import runtime
+from ..engines import Engine
 
 __all__ = ["step_schedulers"]
 

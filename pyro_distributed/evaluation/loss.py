@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 from pyro.poutine.messenger import Messenger
-from pyro.poutine.subsample_messenger import _Subsample
 
-from . import runtime
-from .data import Data, block_batches, data_columns
+from .. import runtime
+from ..data.shards import Data, block_batches, data_columns
+from ..internals import Subsample
 
 __all__ = ["evaluate_loss"]
 
@@ -46,7 +46,7 @@ class _PlateProbe(Messenger):
         self.outside: set[str] = set()  # latent sites outside every batch plate
 
     def _pyro_post_sample(self, msg: Any) -> None:
-        if isinstance(msg["fn"], _Subsample):
+        if isinstance(msg["fn"], Subsample):
             return
         over_batch = [f for f in msg["cond_indep_stack"] if f.size == self.batch]
         for frame in over_batch:

@@ -38,11 +38,17 @@ import torch
 from torch import Tensor
 from torch.distributions import constraints, transform_to
 
-from . import runtime
-from .data import block_range
-from .engines import Engine
-from .errors import PyroDistributedError
-from .gather import Destination, gather_pieces
+from .. import runtime
+from ..engines import Engine
+from ..errors import PyroDistributedError
+from ..gather import Destination, gather_pieces
+from ..internals import (
+    attach_unconstrained,
+    param_constraint,
+    replace_unconstrained,
+    stored_unconstrained,
+)
+from ..partition import block_range
 
 __all__ = [
     "LocalGradients",
@@ -57,7 +63,6 @@ __all__ = [
     "register",
     "scale_local_grads",
     "split_local",
-    "state_bytes",
 ]
 
 
@@ -93,20 +98,13 @@ _local: dict[str, tuple[LocalParam, weakref.ref[Tensor]]] = {}
 _touched: dict[str, list[Tensor]] = {}
 
 
-def _stored(name: str) -> Tensor | None:
-    """The param store's unconstrained tensor for ``name`` (Pyro's own map: the
-    public getters compute the constrained value, O(N) for a large parameter)."""
-    tensor: Tensor | None = pyro.get_param_store()._params.get(name)
-    return tensor
-
-
 def local_param(name: str, tensor: Tensor | None = None) -> LocalParam | None:
     """``name``'s record if it is local: registered for ``tensor`` (default: the
     param store's current tensor of that name)."""
     entry = _local.get(name)
     if entry is None:
         return None
-    current = tensor if tensor is not None else _stored(name)
+    current = tensor if tensor is not None else stored_unconstrained(name)
     return entry[0] if current is not None and entry[1]() is current else None
 
 
@@ -125,7 +123,7 @@ def register(param: LocalParam) -> None:
             f"size {known.size} (axis {known.axis}) and is now used along plate "
             f"{param.plate!r} of size {param.size} (axis {param.axis})"
         )
-    tensor = _stored(param.name)
+    tensor = stored_unconstrained(param.name)
     if tensor is None:
         raise KeyError(f"no parameter named {param.name!r} in the param store")
     _local[param.name] = (param, weakref.ref(tensor))
@@ -147,7 +145,7 @@ def create(param: LocalParam, init: Any, constraint: Any) -> None:
         value = init() if callable(init) else init
         _length_along(value, param)
         store.setdefault(param.name, value, constraint or constraints.real)
-    stored = _stored(param.name)
+    stored = stored_unconstrained(param.name)
     assert stored is not None
     length = _length_along(stored, param)
     if length != param.size:
@@ -173,7 +171,7 @@ def localize(param: LocalParam, init: Any = None, constraint: Any = None) -> Non
         value = init() if callable(init) else init
         store.setdefault(param.name, _block_of(param, value), constraint or constraints.real)
         return
-    unconstrained = _stored(param.name)
+    unconstrained = stored_unconstrained(param.name)
     assert unconstrained is not None
     if _length_along(unconstrained, param) != len(param.rows):
         replace_unconstrained(param.name, _block_of(param, unconstrained.detach()).clone())
@@ -191,25 +189,6 @@ def _block_of(param: LocalParam, value: Tensor) -> Tensor:
             f"{param.size}, or worker {runtime.rank()}'s block of {len(rows)} rows"
         )
     return value.narrow(param.axis, rows.start, len(rows))
-
-
-def replace_unconstrained(name: str, value: Tensor) -> None:
-    """Put ``value`` in the param store as ``name``'s unconstrained tensor, as it is.
-
-    Pyro's public setters go through the constraint's transform and its
-    inverse, which changes bits; the store's two private maps are set instead.
-    """
-    store = pyro.get_param_store()
-    old = store._params.get(name)
-    if old is not None:
-        store._param_to_name.pop(old, None)
-    value = value.detach().requires_grad_(True)
-    if isinstance(old, torch.nn.Parameter):
-        # PyroModule keeps its parameters as nn.Parameter and would swap in a
-        # new wrapper (a new tensor to the optimizer) on its next read.
-        value = torch.nn.Parameter(value)
-    store._params[name] = value
-    store._param_to_name[value] = name
 
 
 def _length_along(tensor: Tensor, param: LocalParam) -> int:
@@ -232,9 +211,8 @@ def select_rows(param: LocalParam, indices: Tensor, owned: bool) -> Tensor:
     depending on where it falls in the tensor, so a worker holding only its
     block could otherwise drift from the replicated run in the last bit.
     """
-    store = pyro.get_param_store()
     # Not store[name]: that would constrain all the rows, to select a few.
-    unconstrained = _stored(param.name)
+    unconstrained = stored_unconstrained(param.name)
     if unconstrained is None:
         raise KeyError(f"no parameter named {param.name!r} in the param store")
     offset = param.rows.start if owned else 0
@@ -242,12 +220,8 @@ def select_rows(param: LocalParam, indices: Tensor, owned: bool) -> Tensor:
     selected = unconstrained.index_select(param.axis % unconstrained.dim(), rows)
     if owned and torch.is_grad_enabled():
         _touched.setdefault(param.name, []).append(rows)
-    # Pyro has no public getter for a parameter's constraint.
-    constraint = store._constraints[param.name]
-    value: Tensor = transform_to(constraint)(selected)
-    # What Pyro's own plate attaches to a subsampled parameter.
-    value.unconstrained = weakref.ref(unconstrained)  # type: ignore[attr-defined]
-    value._pyro_unconstrained_param = unconstrained  # type: ignore[attr-defined]
+    value: Tensor = transform_to(param_constraint(param.name))(selected)
+    attach_unconstrained(value, unconstrained)
     return value
 
 
@@ -351,16 +325,6 @@ def gather_param(name: str, *, to: Destination = "main") -> Tensor | None:
     _, mine = local_rows(name)
     gathered = gather_pieces(engine, {name: mine}, {name: param.axis}, to)
     return None if gathered is None else gathered[name]
-
-
-def state_bytes(parameters: Iterable[Tensor], optimizers: Iterable[Any]) -> int:
-    """Bytes of ``parameters`` plus every tensor in the torch optimizers' state:
-    what a worker holds for them (for example ``optim.optim_objs.values()``)."""
-    total = sum(p.numel() * p.element_size() for p in parameters)
-    for optimizer in optimizers:
-        for state in optimizer.state.values():
-            total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-    return total
 
 
 class LocalGradients:

@@ -49,9 +49,10 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+from ..engines import Engine, Pending
+from ..internals import grad_version
 from .agreement import MAX_SUMMED_WORKERS
-from .engines import Engine, Pending
-from .reduce import GradientAverager
+from .averager import GradientAverager
 
 __all__ = ["BackwardOverlap"]
 
@@ -76,13 +77,13 @@ class _Sent:
 def _grad_stamp(param: Tensor) -> tuple[Tensor | None, int]:
     """The gradient object and its version: any change to ``.grad`` changes one of them."""
     grad = param.grad
-    return grad, (grad._version if grad is not None else -1)
+    return grad, (grad_version(grad) if grad is not None else -1)
 
 
 def _changed_since(param: Tensor, stamp: tuple[Tensor | None, int]) -> bool:
     grad, version = stamp
     # Compared by identity: == on tensors would compare their values.
-    return param.grad is not grad or (grad is not None and grad._version != version)
+    return param.grad is not grad or (grad is not None and grad_version(grad) != version)
 
 
 def _remove(handles: list[RemovableHandle]) -> None:
@@ -163,7 +164,8 @@ class BackwardOverlap:
         self._send(self._carrier, header)
         sent = self._sent[self._carrier]
         sent.wait()
-        return sent.wire[-len(header) :].tolist() if header else []
+        # The carrier's sum is exact and unscaled (see _arm): its riders need no decoding.
+        return self._averager.buckets[self._carrier].riders(sent.wire)
 
     def _is_stale(self, index: int) -> bool:
         if index == self._carrier:
@@ -265,10 +267,10 @@ class BackwardOverlap:
         """How many buckets, from the start of the order, may leave before the call."""
         return len(self._order) - (self._carrier is not None)
 
-    def _send(self, index: int, extra: Sequence[float] = ()) -> None:
+    def _send(self, index: int, riders: Sequence[float] = ()) -> None:
         assert self._channel is not None
         with torch.no_grad():
-            flat = self._averager.pack(index, extra)
+            flat = self._averager.pack(index, riders)
             grads = [_grad_stamp(self._params[i]) for i in self._averager.buckets[index].members]
             wire, context = self._averager.encode(flat)
         name = self._averager.bucket_names[index]

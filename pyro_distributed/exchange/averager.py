@@ -1,24 +1,20 @@
-"""Fused averaging of many tensors: bucketing, flattening, writing back.
+"""Fused averaging of many gradients: scaling, compressing, writing back.
 
-Per-parameter collectives cost one round trip each, and a Pyro guide easily
-has hundreds of small parameters. Here tensors are grouped by (device, dtype),
-packed into flat buffers of at most ``cap_bytes`` each, and every buffer goes
-out in one call to the engine, so a step costs O(1) collectives. Buckets are
-planned from the order the tensors are given in, which the caller keeps the
-same on every worker (sorted by param-store name).
+The buckets (:mod:`.layout`) go out in one call to the engine, so a step costs
+O(1) collectives however many parameters there are.
 
 After averaging, each parameter's ``.grad`` becomes a view into the averaged
 buffer: no copy back. Pyro's ``zero_grads`` replaces ``.grad`` with fresh
 zeros, so the buffer is released after the step.
 
-For the gradient noise scale (:mod:`pyro_distributed.noise_scale`) the
+For the gradient noise scale (:mod:`pyro_distributed.optim.noise_scale`) the
 averager can also measure squared norms: each bucket then carries this
-worker's squared norm of its gradients in one more float, after the presence
-flags, so their sum over workers arrives with the gradients and costs no
-collective. That needs a wide float on the wire: a compressed bucket (whose
-narrow type could overflow or round the norm away) or one of half-precision
-parameters keeps its norm at home, and those norms travel together in one
-extra float64 all-reduce per step instead.
+worker's squared norm of its gradients in its norm slot, so their sum over
+workers arrives with the gradients and costs no collective. That needs a wide
+float on the wire: a compressed bucket (whose narrow type could overflow or
+round the norm away) or one of half-precision parameters keeps its norm at
+home, and those norms travel together in one extra float64 all-reduce per step
+instead.
 """
 
 from __future__ import annotations
@@ -30,16 +26,10 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
-from .engines import Engine
+from ..engines import Engine
+from .layout import Bucket, plan_buckets
 
-__all__ = [
-    "Bucket",
-    "Compressor",
-    "GradientAverager",
-    "Reduction",
-    "broadcast_values_",
-    "plan_buckets",
-]
+__all__ = ["Compressor", "GradientAverager", "Reduction"]
 
 
 class Compressor(Protocol):
@@ -74,50 +64,6 @@ class Reduction:
     groups: int | Sequence[Sequence[Tensor]] | None = field(default=None)
 
 
-@dataclass(frozen=True)
-class Bucket:
-    """Tensors, by index into the planned sequence, that travel in one flat buffer."""
-
-    device: torch.device
-    dtype: torch.dtype
-    members: tuple[int, ...]
-    numels: list[int]
-
-
-def plan_buckets(
-    tensors: Sequence[Tensor], cap_bytes: int, group_of: Sequence[int] | None = None
-) -> list[Bucket]:
-    """Group tensors by (group, device, dtype) and split each group at ``cap_bytes``.
-
-    A tensor larger than the cap gets a bucket of its own; order within a
-    bucket follows the input order, and groups come in order of first appearance.
-    """
-    groups: dict[tuple[int, torch.device, torch.dtype], list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        group = 0 if group_of is None else group_of[index]
-        groups.setdefault((group, tensor.device, tensor.dtype), []).append(index)
-    buckets = []
-    for (_, device, dtype), indices in groups.items():
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        current: list[int] = []
-        current_bytes = 0
-        for index in indices:
-            size = tensors[index].numel() * itemsize
-            if current and current_bytes + size > cap_bytes:
-                buckets.append(_bucket(device, dtype, current, tensors))
-                current, current_bytes = [], 0
-            current.append(index)
-            current_bytes += size
-        buckets.append(_bucket(device, dtype, current, tensors))
-    return buckets
-
-
-def _bucket(
-    device: torch.device, dtype: torch.dtype, members: list[int], tensors: Sequence[Tensor]
-) -> Bucket:
-    return Bucket(device, dtype, tuple(members), [tensors[i].numel() for i in members])
-
-
 def _group_of(
     params: Sequence[Tensor], groups: int | Sequence[Sequence[Tensor]] | None
 ) -> list[int]:
@@ -126,21 +72,6 @@ def _group_of(
         return [index * count // len(params) for index in range(len(params))]
     listed = {id(param): number for number, group in enumerate(groups) for param in group}
     return [listed.get(id(param), len(groups) + index) for index, param in enumerate(params)]
-
-
-def _flatten(bucket: Bucket, tensors: Sequence[Tensor]) -> Tensor:
-    return torch.cat([tensors[i].reshape(-1) for i in bucket.members])
-
-
-def broadcast_values_(engine: Engine, tensors: Sequence[Tensor], cap_bytes: int) -> None:
-    """Overwrite each tensor's values, in place, with worker 0's."""
-    buckets = plan_buckets(tensors, cap_bytes)
-    with torch.no_grad():
-        flats = [_flatten(bucket, [t.detach() for t in tensors]) for bucket in buckets]
-        engine.broadcast_(flats, src=0)
-        for bucket, flat in zip(buckets, flats, strict=True):
-            for index, chunk in zip(bucket.members, torch.split(flat, bucket.numels), strict=True):
-                tensors[index].copy_(chunk.view_as(tensors[index]))
 
 
 class GradientAverager:
@@ -153,7 +84,7 @@ class GradientAverager:
 
     Buckets can also travel one at a time (:meth:`pack`, :meth:`encode`,
     :meth:`decode`, :meth:`unpack`), which is how
-    :mod:`pyro_distributed.overlap` sends them during backward; the bytes on
+    :mod:`pyro_distributed.exchange.overlap` sends them during backward; the bytes on
     the wire are the same either way, so the results are bitwise equal.
     """
 
@@ -182,8 +113,9 @@ class GradientAverager:
         key = tuple(id(p) for p in params)
         if key != self._plan_key:
             group_of = _group_of(params, self._reduction.groups)
-            self.buckets = plan_buckets(params, self._cap_bytes, group_of)
-            # Collective names (Horovod matches on them) come from param-store names.
+            norm_slot = self.measure_norms and self._reduction.compression is None
+            self.buckets = plan_buckets(params, self._cap_bytes, group_of, norm_slot)
+            # Collective names (Horovod matches on them) come from the tensors' names.
             self.bucket_names = [
                 f"pyro_distributed.grad.{names[b.members[0]]}+{len(b.members) - 1}"
                 for b in self.buckets
@@ -192,37 +124,22 @@ class GradientAverager:
             self._params = tuple(params)
         return self.buckets
 
-    def pack(self, index: int, extra: Sequence[float] = ()) -> Tensor:
-        """Bucket ``index`` as one flat tensor: its gradients, its presence flags,
-        then ``extra`` values that ride along (see :meth:`sums_exactly`)."""
+    def pack(self, index: int, riders: Sequence[float] = ()) -> Tensor:
+        """Bucket ``index`` as one flat tensor (:class:`~.layout.Bucket`), with
+        ``riders`` riding along (see :meth:`sums_exactly`)."""
         bucket = self.buckets[index]
-        members = [self._params[i] for i in bucket.members]
-        carries = self.carries_norm(index)
-        tail = torch.tensor(
-            [float(p.grad is not None) for p in members] + [0.0] * carries + list(extra),
-            dtype=bucket.dtype,
-            device=bucket.device,
-        )
-        flat = torch.cat([*(_dense_grad(p).reshape(-1) for p in members), tail])
+        flat = bucket.pack(self._params, riders)
         if self.measure_norms:
-            body = flat[: sum(bucket.numels)]
-            if carries:
-                flat[len(body) + len(members)] = torch.dot(body, body)
+            body = bucket.gradients(flat)
+            if bucket.norm_slot:
+                bucket.set_norm(flat, torch.dot(body, body))
             else:
                 self._local_sq[index] = torch.dot(body, body).double()
         return flat
 
-    def carries_norm(self, index: int) -> bool:
-        """Whether bucket ``index`` carries this worker's squared norm in its sum."""
-        return (
-            self.measure_norms
-            and self._reduction.compression is None
-            and self.buckets[index].dtype in (torch.float32, torch.float64)
-        )
-
     def sums_exactly(self, index: int) -> bool:
         """Whether bucket ``index`` travels as a plain sum of float32 or float64 values,
-        unscaled and uncompressed, so that small integers in ``extra`` add up exactly."""
+        unscaled and uncompressed, so that small integers among its riders add up exactly."""
         return (
             self._reduction.compression is None
             and self._scales(narrowed=False)[0] == 1.0
@@ -251,14 +168,13 @@ class GradientAverager:
     def unpack(self, index: int, flat: Tensor) -> bool:
         """Point each member's ``.grad`` into the averaged ``flat``; return whether it is finite."""
         bucket = self.buckets[index]
-        size = sum(bucket.numels)
-        present = (flat[size : size + len(bucket.members)] > 0).tolist()
-        body = flat[:size]
+        body = bucket.gradients(flat)
         if self.measure_norms:
             self._average_sq[index] = torch.dot(body, body).double()
-            if self.carries_norm(index):
-                self._summed_sq[index] = flat[size + len(bucket.members)].double()
-        chunks = torch.split(body, bucket.numels)
+            if bucket.norm_slot:
+                self._summed_sq[index] = bucket.norm(flat).double()
+        present = bucket.present(flat)
+        chunks = bucket.split_gradients(flat)
         for slot, (member, chunk) in enumerate(zip(bucket.members, chunks, strict=True)):
             param = self._params[member]
             param.grad = chunk.view_as(param) if present[slot] else None
@@ -275,9 +191,9 @@ class GradientAverager:
         """
         indices = range(len(self.buckets))
         # Decoded bucket sums are means over workers, or sums with op="sum".
-        carried = sum((self._summed_sq[i] for i in indices if self.carries_norm(i)), 0.0)
+        carried = sum((self._summed_sq[i] for i in indices if self.buckets[i].norm_slot), 0.0)
         small = carried / self._to_mean()
-        kept = [self._local_sq[i] for i in indices if not self.carries_norm(i)]
+        kept = [self._local_sq[i] for i in indices if not self.buckets[i].norm_slot]
         if kept:
             local = torch.stack(kept).sum().reshape(1)
             self._engine.allreduce_([local], op="sum")
@@ -324,11 +240,3 @@ def _all_finite(flat: Tensor) -> bool:
 
 def _scaled(tensor: Tensor, factor: float) -> Tensor:
     return tensor.mul_(factor) if factor != 1.0 else tensor
-
-
-def _dense_grad(param: Tensor) -> Tensor:
-    grad = param.grad
-    if grad is None:
-        return torch.zeros_like(param, requires_grad=False)
-    # Detached: multi-optimizers leave graph-carrying gradients (create_graph=True).
-    return (grad.to_dense() if grad.is_sparse else grad).detach()

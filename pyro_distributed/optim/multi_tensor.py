@@ -42,6 +42,8 @@ import torch
 from pyro.optim import PyroOptim
 from torch import Tensor
 
+from ..internals import pop_waiting_state, single_optimizer
+
 __all__ = ["GroupedStepper", "grouping_refusal", "groups_exactly"]
 
 #: Grouped, these give bitwise the results of one optimizer per parameter.
@@ -96,9 +98,9 @@ class GroupedStepper:
         # any waiting state exactly as PyroOptim would, and stays in
         # optim_objs; the group steps the parameter, on the same state dict.
         pyro_optim = self._pyro_optim
-        single: torch.optim.Optimizer = pyro_optim._get_optim(param)
+        single = single_optimizer(pyro_optim, param)
         name = pyro.get_param_store().param_name(param)
-        waiting = pyro_optim._state_waiting_to_be_consumed.pop(name, None)
+        waiting = pop_waiting_state(pyro_optim, name)
         if waiting is not None:
             single.load_state_dict(waiting)
         pyro_optim.optim_objs[param] = single

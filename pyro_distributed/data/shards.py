@@ -27,15 +27,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import Sampler, TensorDataset
 
-from . import runtime
+from .. import runtime
+from ..partition import block_range
+from ..seeding import derived_seed
 from .plates import RowOrigin, record_origin
-from .seeding import derived_seed
 
 __all__ = [
     "Data",
     "ShardSampler",
     "block_batches",
-    "block_range",
     "data_columns",
     "even_batches",
     "shard",
@@ -112,13 +112,6 @@ def shard(data: Tensor, *, uneven: Uneven = "split") -> Tensor:
     split = uneven == "split" and len(data) > 0
     scale = runtime.world_size() * len(indices) / len(data) if split else 1.0
     return record_origin(data[indices], RowOrigin(len(data), indices, scale))
-
-
-def block_range(n: int) -> range:
-    """This worker's contiguous block of ``range(n)``: every item on exactly one
-    worker, block lengths differing by at most one, blocks in rank order."""
-    workers, rank = runtime.world_size(), runtime.rank()
-    return range(rank * n // workers, (rank + 1) * n // workers)
 
 
 def data_columns(data: Data, what: str) -> tuple[Tensor, ...]:

@@ -9,7 +9,7 @@ this module only translates arguments.
 
 Where Pyro's class wraps one ``hvd.DistributedOptimizer`` per parameter, with
 gradient hooks that fire during backward, this one treats averages that
-leave during backward as provisional (:mod:`pyro_distributed.overlap`): a
+leave during backward as provisional (:mod:`pyro_distributed.exchange.overlap`): a
 gradient that changes afterwards is sent again, and the wrapped optimizer
 steps only on the final averages. That is why multi-particle ELBOs work, why
 clipping sees the averaged gradient, and why schedulers are kept. It also
@@ -27,10 +27,10 @@ from typing import Any
 from pyro.optim import PyroOptim
 from torch import Tensor
 
-from . import runtime
-from .engines.horovod import HorovodEngine
-from .optim import DistributedOptimizer
-from .reduce import Reduction
+from .. import runtime
+from ..engines.horovod import HorovodEngine
+from ..exchange.averager import Reduction
+from .distributed import DistributedOptimizer
 
 __all__ = ["HorovodOptimizer"]
 

@@ -23,7 +23,7 @@ may differ in length by one, so every site inside such a plate is scaled by
 then estimates its block's share times W, and the average over workers is
 unbiased for the whole plate. With ``own_local_params=True`` the local
 parameters of such plates hold block r's rows only
-(:mod:`pyro_distributed.ownership`).
+(:mod:`pyro_distributed.local.ownership`).
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ from typing import Any
 
 import torch
 from pyro.poutine.messenger import Messenger
-from pyro.poutine.subsample_messenger import _Subsample
 
-from . import ownership, runtime
-from .data import block_range
+from .. import runtime
+from ..internals import Subsample
+from ..local import ownership
+from ..partition import block_range
+from ..seeding import block_generator, shared_generator
 from .plates import shard_lengths
-from .seeding import block_generator, shared_generator
 
 __all__ = ["shard_subsamples"]
 
@@ -114,7 +115,7 @@ class shard_subsamples(Messenger):
 
     def _pyro_sample(self, msg: Any) -> None:
         fn = msg["fn"]
-        if not isinstance(fn, _Subsample):
+        if not isinstance(fn, Subsample):
             self._scale_for_blocks(msg)
             return
         workers, rank = runtime.world_size(), runtime.rank()
@@ -137,7 +138,7 @@ class shard_subsamples(Messenger):
         mine = permutation[rank * per_worker : (rank + 1) * per_worker]
         msg["value"] = mine.to(fn.device)
 
-    def _subsample_by_block(self, msg: Any, fn: _Subsample) -> None:
+    def _subsample_by_block(self, msg: Any, fn: Subsample) -> None:
         name, size = msg["name"], fn.size
         block = block_range(size)
         if msg["value"] is None:

@@ -35,13 +35,14 @@ import pyro.infer
 import pyro.util
 import torch
 from pyro.poutine.messenger import Messenger
-from pyro.poutine.subsample_messenger import _Subsample
 from torch import Tensor
 
-from . import runtime
-from .data import block_batches, block_range, data_columns
-from .gather import Destination, gather_pieces
-from .seeding import derived_seed
+from .. import runtime
+from ..data.shards import block_batches, data_columns
+from ..gather import Destination, gather_pieces
+from ..internals import Subsample
+from ..partition import block_range
+from ..seeding import derived_seed
 
 __all__ = ["Predictive"]
 
@@ -225,7 +226,7 @@ class _DataAxes(Messenger):
         self.axes: dict[str, int] = {}
 
     def _pyro_post_sample(self, msg: Any) -> None:
-        if isinstance(msg["fn"], _Subsample) or msg["name"] in self.axes:
+        if isinstance(msg["fn"], Subsample) or msg["name"] in self.axes:
             return
         shape = getattr(msg["value"], "shape", ())
         for frame in msg["cond_indep_stack"]:

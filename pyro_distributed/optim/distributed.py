@@ -2,16 +2,17 @@
 
 It wraps the user's optimizer instead of rebuilding it: clipping, schedulers,
 per-parameter arguments and state all stay the wrapped optimizer's own code.
-A call does three things, in the same order on every worker:
+A call reads as the sequence it runs, the same on every worker:
 
-1. agree on the sorted list of parameters, synchronising new ones
-   (:mod:`pyro_distributed.agreement`);
-2. average their gradients in a few fused buffers (:mod:`pyro_distributed.reduce`);
-   with overlap, most buckets already left during backward
-   (:mod:`pyro_distributed.overlap`), and step 1 confirms they were the right ones;
-3. let the wrapped optimizer step, so that clipping sees the averaged gradient.
+1. split off local parameters, whose gradients never travel
+   (:mod:`pyro_distributed.local`);
+2. exchange the gradients of the rest (:class:`~pyro_distributed.exchange.sync.GradientSync`:
+   agree on the parameters, average them, overlapped with backward);
+3. prepare the local gradients; observe the gradient noise scale;
+4. let the wrapped optimizer step, so that clipping sees the averaged
+   gradient, and drop gradients borrowed from other workers.
 
-With one worker it does none of the first two and costs nothing.
+With one worker it does none of it but the step, and costs nothing.
 """
 
 from __future__ import annotations
@@ -26,24 +27,16 @@ import torch
 from pyro.optim import PyroOptim
 from torch import Tensor
 
-from . import runtime
-from .agreement import (
-    DIGEST_FLOATS,
-    ParameterAgreement,
-    Proposal,
-    StepParams,
-    digest_floats,
-    digests_equal,
-)
-from .compression import Compression, compressor
+from .. import runtime
+from ..engines import Engine
+from ..errors import PyroDistributedError
+from ..exchange.averager import Reduction
+from ..exchange.compression import Compression, compressor
+from ..exchange.sync import Exchanged, GradientSync
+from ..local.ownership import LocalGradients, split_local
 from .consistency import assert_in_sync
-from .engines import Engine
-from .errors import PyroDistributedError
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .noise_scale import NoiseScale, NoiseScaleEstimator
-from .overlap import BackwardOverlap
-from .ownership import LocalGradients, split_local
-from .reduce import GradientAverager, Reduction
 from .schedulers import step_schedulers
 
 __all__ = ["DistributedOptimizer"]
@@ -73,20 +66,20 @@ class DistributedOptimizer(PyroOptim):
         every ``check_every``-th step (default: never).
     :param compression: ``"none"`` (default), ``"fp16"`` or ``"bf16"``: send
         gradients in half precision, dividing by the world size before
-        summation. The error bound is in :mod:`pyro_distributed.compression`.
+        summation. The error bound is in :mod:`pyro_distributed.exchange.compression`.
     :param multi_tensor: step all parameters that share hyper-parameters with
         one multi-tensor (``foreach``) torch optimizer instead of one optimizer
-        per parameter (:mod:`pyro_distributed.multi_tensor`). ``None``
+        per parameter (:mod:`pyro_distributed.optim.multi_tensor`). ``None``
         (default): whenever that is bitwise exact, which is for plain
         ``pyro.optim`` Adam, AdamW, SGD, RMSprop, Adagrad and Adamax without
         ``clip_args``. ``True`` also groups NAdam and RAdam (rounding differs
         slightly); ``False`` never groups.
     :param overlap: start averaging gradients during backward, as soon as a
-        bucket's gradients are complete (:mod:`pyro_distributed.overlap`).
+        bucket's gradients are complete (:mod:`pyro_distributed.exchange.overlap`).
         Bitwise the same results as without; on by default.
     :param noise_scale: ``True``, or a smoothing factor in (0, 1), measures the
         gradient noise scale at every step (:meth:`noise_scale`,
-        :mod:`pyro_distributed.noise_scale`); needs two or more workers, else
+        :mod:`pyro_distributed.optim.noise_scale`); needs two or more workers, else
         ``ValueError`` here. The norms ride in the gradient buckets (results
         are unchanged), so pass the same value on every worker.
 
@@ -220,13 +213,25 @@ class DistributedOptimizer(PyroOptim):
         #: How many times the optimizer was called (saved in checkpoints).
         self.num_steps = 0
         cap_bytes = max(1, int(bucket_cap_mb * 2**20))
-        self._agreement = ParameterAgreement(engine, cap_bytes)
         self._noise = NoiseScaleEstimator.create(noise_scale, engine.world_size)
-        self._averager = GradientAverager(engine, cap_bytes, reduction, self._noise is not None)
-        self._overlap = (
-            BackwardOverlap(engine, self._averager) if overlap and engine.world_size > 1 else None
-        )
+        #: The gradient exchange; ``None`` with one worker, which has nothing to
+        #: exchange. Its read-only properties (``overlaps``, ``overlap_armed``,
+        #: ``bucket_count``) show how gradients travel.
+        self.sync: GradientSync | None = None
+        if engine.world_size > 1:
+            self.sync = GradientSync(
+                engine,
+                cap_bytes,
+                reduction,
+                overlap=overlap,
+                measure_norms=self._noise is not None,
+            )
         self._local = LocalGradients(engine)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether parameters are stepped by multi-tensor optimizers (``multi_tensor``)."""
+        return self._stepper is not None
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes this object lacks: read the wrapped
@@ -243,66 +248,24 @@ class DistributedOptimizer(PyroOptim):
             (a set), or a list or ``dict.values()``.
         """
         self.num_steps += 1
-        if self.engine.world_size == 1:
+        if self.sync is None:
             self._step_wrapped(params, *args, **kwargs)
             return
-        # Local parameters (pyro_distributed.ownership) never travel.
-        params, local = split_local(params)
-        step, finite = self._average(params)
+        replicated, local = split_local(params)
+        exchanged = self.sync.exchange(_by_store_name(replicated), _param_store)
+        finite = exchanged.finite
         if local:
             finite = self._local.prepare(local) and finite
+        stepped = [*exchanged.tensors, *local]
         if finite:
-            if self._noise is not None and step.tensors:  # before the wrapped optimizer clips
-                self._noise.observe(*self._averager.squared_norms())
-            self._step_wrapped([*step.tensors, *local], *args, **kwargs)
+            if self._noise is not None and exchanged.tensors:  # before the wrapped optimizer clips
+                self._noise.observe(*self.sync.squared_norms())
+            self._step_wrapped(stepped, *args, **kwargs)
         else:
-            self._refuse_nonfinite([*step.tensors, *local])
-        for name, param in zip(step.names, step.tensors, strict=True):
-            if name in step.borrowed:
-                # This worker's SVI will not zero it; a stale average must not
-                # count as this worker's gradient next step.
-                param.grad = None
+            self._refuse_nonfinite(stepped)
+        _release_borrowed(exchanged)
         if self.check_every and self.num_steps % self.check_every == 0:
             assert_in_sync(self)
-
-    def _average(self, params: Iterable[Tensor]) -> tuple[StepParams, bool]:
-        """Agree on the step's parameters and average their gradients.
-
-        Returns the step and whether every averaged gradient is finite.
-        """
-        proposal = self._agreement.propose(params)
-        overlap = self._overlap
-        if overlap is None or not overlap.armed:
-            step = self._agreement.settle(proposal).step
-            finite = self._averager.average_(step.names, step.tensors)
-        else:
-            step, finite = self._average_overlapped(proposal, overlap)
-        if overlap is not None:
-            overlap.after_step(step.names, step.tensors)
-        return step, finite
-
-    def _average_overlapped(
-        self, proposal: Proposal, overlap: BackwardOverlap
-    ) -> tuple[StepParams, bool]:
-        # Every bucket leaves before the header, on every worker alike; the
-        # header then says whether they held the right parameters.
-        overlap.send_remaining()
-        stale = overlap.stale_flags()
-        if overlap.carrier is not None:
-            summed = overlap.send_carrier([*digest_floats(proposal.digest), *stale])
-            unanimous = digests_equal(summed, self.engine.world_size)
-            resend = [int(flag > 0) for flag in summed[DIGEST_FLOATS:]]
-            if unanimous and not proposal.new and proposal.names == overlap.names:
-                return self._agreement.accept(proposal), overlap.finish(resend)
-            overlap.discard()
-            step = self._agreement.settle(proposal).step
-        else:
-            settlement = self._agreement.settle(proposal, stale)
-            step = settlement.step
-            if settlement.unchanged and step.names == overlap.names:
-                return step, overlap.finish(resend=settlement.riders)
-            overlap.discard()
-        return step, self._averager.average_(step.names, step.tensors)
 
     def _step_wrapped(self, params: Iterable[Tensor], *args: Any, **kwargs: Any) -> None:
         if self._stepper is not None:
@@ -359,9 +322,8 @@ class DistributedOptimizer(PyroOptim):
         """
         self.wrapped.optim_objs.clear()
         self.wrapped.grad_clip.clear()
-        self._agreement.forget()
-        if self._overlap is not None:
-            self._overlap.reset()
+        if self.sync is not None:
+            self.sync.forget()
         if self._stepper is not None:
             self._stepper.forget()
 
@@ -375,3 +337,32 @@ class DistributedOptimizer(PyroOptim):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.wrapped!r}, engine={self.engine!r})"
+
+
+def _by_store_name(params: Iterable[Tensor]) -> dict[str, Tensor]:
+    """``params`` by their param-store names, the names every worker shares."""
+    store = pyro.get_param_store()
+    named = {}
+    for param in params:
+        name = store.param_name(param)
+        if name is None:
+            raise ValueError(
+                f"a tensor of shape {tuple(param.shape)} passed to the optimizer is not in "
+                f"Pyro's param store; distributed optimizers name parameters by their "
+                f"param-store names (create them with pyro.param or a PyroModule)"
+            )
+        named[name] = param
+    return named
+
+
+def _param_store() -> dict[str, Tensor]:
+    """Every parameter this worker could step: its param store."""
+    return dict(pyro.get_param_store().named_parameters())
+
+
+def _release_borrowed(exchanged: Exchanged) -> None:
+    for name, param in zip(exchanged.names, exchanged.tensors, strict=True):
+        if name in exchanged.borrowed:
+            # This worker's SVI will not zero it; a stale average must not
+            # count as this worker's gradient next step.
+            param.grad = None

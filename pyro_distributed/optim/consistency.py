@@ -5,7 +5,7 @@ the same optimizer arguments, no per-worker edits to the param store, no
 second-order optimizer working on a local Hessian. :func:`assert_in_sync`
 checks, in one collective, a checksum of every parameter and every
 per-parameter optimizer state, and names the first that differs. Local
-parameters (:mod:`pyro_distributed.ownership`) are left out: each worker
+parameters (:mod:`pyro_distributed.local.ownership`) are left out: each worker
 holds its own rows of them.
 """
 
@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 import pyro
 import torch
 
-from . import runtime
-from .engines import Engine
-from .errors import PyroDistributedError
-from .ownership import local_params
+from .. import runtime
+from ..engines import Engine
+from ..errors import PyroDistributedError
+from ..local.ownership import local_params
 
 if TYPE_CHECKING:
-    from .optim import DistributedOptimizer
+    from .distributed import DistributedOptimizer
 
 __all__ = ["assert_in_sync"]
 

@@ -1,0 +1,153 @@
+"""Buckets: which tensors travel together, and where each value sits in one.
+
+Per-tensor collectives cost one round trip each, and a Pyro guide easily has
+hundreds of small parameters. Tensors are grouped by (group, device, dtype)
+and packed into flat buffers of at most ``cap_bytes`` each, planned from the
+order the tensors are given in, which the caller keeps the same on every
+worker. A packed bucket is laid out as::
+
+    [ gradients of every member | one presence flag per member | norm slot? | riders ]
+
+* the gradients, flattened, in member order;
+* a presence flag per member: 1.0 where this worker has a gradient, so that
+  after summation a flag > 0 says that some worker had one;
+* with :attr:`Bucket.norm_slot`, this worker's squared gradient norm, whose
+  sum over workers feeds the gradient noise scale;
+* riders: small values (the agreement header) that ride along in the sum
+  instead of costing a collective of their own.
+
+:class:`Bucket` is the only code that knows these positions; everything else
+asks it for a part of a flat buffer by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..engines import Engine
+
+__all__ = ["Bucket", "broadcast_values_", "plan_buckets"]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tensors, by index into the planned sequence, that travel in one flat buffer."""
+
+    device: torch.device
+    dtype: torch.dtype
+    members: tuple[int, ...]
+    numels: list[int]
+    #: Whether the bucket carries this worker's squared norm in its sum.
+    norm_slot: bool = False
+
+    @property
+    def size(self) -> int:
+        """How many gradient values the bucket holds."""
+        return sum(self.numels)
+
+    def pack(self, tensors: Sequence[Tensor], riders: Sequence[float] = ()) -> Tensor:
+        """This bucket's gradients, presence flags, norm slot and ``riders``, as one
+        flat tensor. ``tensors`` is the whole planned sequence; a member without a
+        gradient contributes zeros. The norm slot is left at zero for
+        :meth:`set_norm`."""
+        members = [tensors[i] for i in self.members]
+        tail = torch.tensor(
+            [float(t.grad is not None) for t in members] + [0.0] * self.norm_slot + list(riders),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        return torch.cat([*(_dense_grad(t).reshape(-1) for t in members), tail])
+
+    def gradients(self, flat: Tensor) -> Tensor:
+        """The gradient values of a packed (or summed) bucket."""
+        return flat[: self.size]
+
+    def split_gradients(self, flat: Tensor) -> tuple[Tensor, ...]:
+        """The gradient values, one flat piece per member."""
+        return torch.split(self.gradients(flat), self.numels)
+
+    def present(self, flat: Tensor) -> list[bool]:
+        """Per member, whether any worker contributed a gradient (after the sum)."""
+        return (flat[self.size : self.size + len(self.members)] > 0).tolist()
+
+    def set_norm(self, flat: Tensor, value: Tensor) -> None:
+        """Write this worker's squared norm into the norm slot."""
+        assert self.norm_slot, "this bucket has no norm slot"
+        flat[self.size + len(self.members)] = value
+
+    def norm(self, flat: Tensor) -> Tensor:
+        """The value in the norm slot (after the sum: the sum over workers)."""
+        assert self.norm_slot, "this bucket has no norm slot"
+        return flat[self.size + len(self.members)]
+
+    def riders(self, flat: Tensor) -> list[float]:
+        """The riders of a packed (or summed) bucket."""
+        return flat[self.size + len(self.members) + self.norm_slot :].tolist()
+
+
+def plan_buckets(
+    tensors: Sequence[Tensor],
+    cap_bytes: int,
+    group_of: Sequence[int] | None = None,
+    norm_slot: bool = False,
+) -> list[Bucket]:
+    """Group tensors by (group, device, dtype) and split each group at ``cap_bytes``.
+
+    A tensor larger than the cap gets a bucket of its own; order within a
+    bucket follows the input order, and groups come in order of first
+    appearance. With ``norm_slot``, buckets of float32 and float64 carry a
+    norm slot (a narrower type could overflow or round the norm away).
+    """
+    groups: dict[tuple[int, torch.device, torch.dtype], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        group = 0 if group_of is None else group_of[index]
+        groups.setdefault((group, tensor.device, tensor.dtype), []).append(index)
+    buckets = []
+    for (_, device, dtype), indices in groups.items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        wide = norm_slot and dtype in (torch.float32, torch.float64)
+        current: list[int] = []
+        current_bytes = 0
+        for index in indices:
+            size = tensors[index].numel() * itemsize
+            if current and current_bytes + size > cap_bytes:
+                buckets.append(_bucket(device, dtype, current, tensors, wide))
+                current, current_bytes = [], 0
+            current.append(index)
+            current_bytes += size
+        buckets.append(_bucket(device, dtype, current, tensors, wide))
+    return buckets
+
+
+def _bucket(
+    device: torch.device,
+    dtype: torch.dtype,
+    members: list[int],
+    tensors: Sequence[Tensor],
+    norm_slot: bool,
+) -> Bucket:
+    numels = [tensors[i].numel() for i in members]
+    return Bucket(device, dtype, tuple(members), numels, norm_slot)
+
+
+def broadcast_values_(engine: Engine, tensors: Sequence[Tensor], cap_bytes: int) -> None:
+    """Overwrite each tensor's values, in place, with worker 0's (in fused buffers)."""
+    buckets = plan_buckets(tensors, cap_bytes)
+    with torch.no_grad():
+        flats = [torch.cat([tensors[i].detach().reshape(-1) for i in b.members]) for b in buckets]
+        engine.broadcast_(flats, src=0)
+        for bucket, flat in zip(buckets, flats, strict=True):
+            for index, chunk in zip(bucket.members, bucket.split_gradients(flat), strict=True):
+                tensors[index].copy_(chunk.view_as(tensors[index]))
+
+
+def _dense_grad(tensor: Tensor) -> Tensor:
+    grad = tensor.grad
+    if grad is None:
+        return torch.zeros_like(tensor, requires_grad=False)
+    # Detached: multi-optimizers leave graph-carrying gradients (create_graph=True).
+    return (grad.to_dense() if grad.is_sparse else grad).detach()

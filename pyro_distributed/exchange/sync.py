@@ -1,0 +1,154 @@
+"""GradientSync: one object that owns a step's gradient exchange.
+
+A front end calls :meth:`GradientSync.exchange` once per optimizer step with
+the tensors it is about to step, by name, and gets back the agreed tensors
+with their ``.grad`` replaced by the average over workers. Inside, in the
+same order on every worker:
+
+1. the workers agree on the sorted list of tensors, and new ones take worker
+   0's values (:mod:`.agreement`);
+2. their gradients are averaged in fused buckets (:mod:`.averager`,
+   :mod:`.layout`); with overlap, most buckets already left during backward
+   (:mod:`.overlap`), and step 1 confirms they held the right tensors.
+
+With overlap, the agreement header travels as riders of the last bucket: the
+digest floats of :func:`~.agreement.digest_floats` followed by one stale flag
+per bucket. This module is the only one that knows that order.
+
+The exchange knows nothing of Pyro: tensors come with names chosen by the
+front end, and ``catalog`` says which tensors a worker could step, for the
+rare step in which workers proposed different ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ..engines import Engine
+from .agreement import (
+    DIGEST_FLOATS,
+    Catalog,
+    ParameterAgreement,
+    Proposal,
+    StepParams,
+    digest_floats,
+    digests_equal,
+)
+from .averager import GradientAverager, Reduction
+from .overlap import BackwardOverlap
+
+__all__ = ["Exchanged", "GradientSync"]
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """The outcome of one exchange."""
+
+    #: The agreed tensors, sorted by name; each ``.grad`` is now the average.
+    names: tuple[str, ...]
+    tensors: tuple[Tensor, ...]
+    #: Names this worker was not given but steps because another worker was;
+    #: their ``.grad`` should be dropped after the step.
+    borrowed: frozenset[str]
+    #: Whether every averaged gradient is finite (the same on every worker).
+    finite: bool
+
+
+class GradientSync:
+    """Agrees on a step's tensors and averages their gradients across workers.
+
+    :param engine: the engine to average over (more than one worker).
+    :param cap_bytes: the largest fused bucket, in bytes.
+    :param reduction: how gradients are combined and compressed.
+    :param overlap: start buckets during backward.
+    :param measure_norms: measure squared norms for :meth:`squared_norms`.
+    :param catalog_name: what the catalog is called in error messages.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        cap_bytes: int,
+        reduction: Reduction,
+        *,
+        overlap: bool = True,
+        measure_norms: bool = False,
+        catalog_name: str = "param store",
+    ) -> None:
+        self._engine = engine
+        self._agreement = ParameterAgreement(engine, cap_bytes, catalog_name)
+        self._averager = GradientAverager(engine, cap_bytes, reduction, measure_norms)
+        self._overlap = BackwardOverlap(engine, self._averager) if overlap else None
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether buckets may leave during backward (``overlap=True``)."""
+        return self._overlap is not None
+
+    @property
+    def overlap_armed(self) -> bool:
+        """Whether buckets are leaving during backward now (from the third step on)."""
+        return self._overlap is not None and self._overlap.armed
+
+    @property
+    def bucket_count(self) -> int:
+        """How many buckets the last exchange used."""
+        return len(self._averager.buckets)
+
+    def exchange(self, given: Mapping[str, Tensor], catalog: Catalog) -> Exchanged:
+        """Average the gradients of ``given`` (a collective: every worker calls it).
+
+        :param given: the tensors this worker steps, by shared name.
+        :param catalog: every tensor this worker could step, by name (called
+            only when workers proposed different tensors).
+        :raises PyroDistributedError: when the workers' tensors cannot be
+            reconciled (missing somewhere, different shapes), naming them.
+        """
+        proposal = self._agreement.propose(given)
+        overlap = self._overlap
+        if overlap is None or not overlap.armed:
+            step = self._agreement.settle(proposal, catalog).step
+            finite = self._averager.average_(step.names, step.tensors)
+        else:
+            step, finite = self._exchange_overlapped(proposal, catalog, overlap)
+        if overlap is not None:
+            overlap.after_step(step.names, step.tensors)
+        return Exchanged(step.names, step.tensors, step.borrowed, finite)
+
+    def _exchange_overlapped(
+        self, proposal: Proposal, catalog: Catalog, overlap: BackwardOverlap
+    ) -> tuple[StepParams, bool]:
+        # Every bucket leaves before the header, on every worker alike; the
+        # header then says whether they held the right tensors.
+        overlap.send_remaining()
+        stale = overlap.stale_flags()
+        if overlap.carrier is not None:
+            summed = overlap.send_carrier([*digest_floats(proposal.digest), *stale])
+            unanimous = digests_equal(summed[:DIGEST_FLOATS], self._engine.world_size)
+            resend = [int(flag > 0) for flag in summed[DIGEST_FLOATS:]]
+            if unanimous and not proposal.new and proposal.names == overlap.names:
+                return self._agreement.accept(proposal), overlap.finish(resend)
+            overlap.discard()
+            step = self._agreement.settle(proposal, catalog).step
+        else:
+            settlement = self._agreement.settle(proposal, catalog, stale)
+            step = settlement.step
+            if settlement.unchanged and step.names == overlap.names:
+                return step, overlap.finish(resend=settlement.riders)
+            overlap.discard()
+        return step, self._averager.average_(step.names, step.tensors)
+
+    def squared_norms(self) -> tuple[float, float]:
+        """``(mean_i |g_i|^2, |mean_i g_i|^2)`` of the last exchange (needs
+        ``measure_norms``); a collective when a bucket could not carry its norm."""
+        return self._averager.squared_norms()
+
+    def forget(self) -> None:
+        """Treat every tensor as new again and drop the overlap's plan (after the
+        tensors were replaced, for example by loading a checkpoint)."""
+        self._agreement.forget()
+        if self._overlap is not None:
+            self._overlap.reset()

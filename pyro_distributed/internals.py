@@ -1,0 +1,116 @@
+"""Every reach into Pyro's and torch's private names, in one place.
+
+The library needs a few things that neither Pyro nor torch offers publicly.
+Each is wrapped here, with what it needs and why no public API serves, so
+that an upgrade of either is checked by reading one file, and
+``tests/test_internals.py`` fails with the installed versions named when an
+internal has moved. No other module names a private attribute of Pyro or
+torch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import pyro
+import torch
+from pyro.optim import PyroOptim
+from pyro.poutine.subsample_messenger import _Subsample
+from torch import Tensor
+from torch.distributed.distributed_c10d import PrefixStore as _PrefixStore
+
+__all__ = [
+    "PrefixStore",
+    "Subsample",
+    "attach_unconstrained",
+    "grad_version",
+    "param_constraint",
+    "pop_waiting_state",
+    "replace_unconstrained",
+    "single_optimizer",
+    "stored_unconstrained",
+]
+
+#: The distribution behind a plate's subsample site. Plate probes and sharded
+#: subsampling must recognise that site among sample sites; Pyro exports no
+#: public name or flag for it.
+Subsample = _Subsample
+
+#: A store that prefixes every key. torch exports it from ``torch.distributed``
+#: but documents it nowhere; the torch engine uses it to give every attempt at
+#: joining a process group keys of its own on a shared TCP store.
+PrefixStore = _PrefixStore
+
+
+def stored_unconstrained(name: str) -> Tensor | None:
+    """The param store's unconstrained tensor for ``name``, or ``None``.
+
+    Pyro's public getters (``store[name]``, ``pyro.param``) return the
+    constrained value, which computes the constraint's transform over every
+    row: O(N) for a local parameter of N rows, to read a few.
+    """
+    tensor: Tensor | None = pyro.get_param_store()._params.get(name)
+    return tensor
+
+
+def replace_unconstrained(name: str, value: Tensor) -> Tensor:
+    """Make ``value`` ``name``'s unconstrained tensor, bit for bit; return what is stored.
+
+    Pyro's public setters go through the constraint's transform and its
+    inverse, which changes bits; the store's two private maps (name to tensor,
+    tensor to name) are set instead.
+    """
+    store = pyro.get_param_store()
+    old = store._params.get(name)
+    if old is not None:
+        store._param_to_name.pop(old, None)
+    value = value.detach().requires_grad_(True)
+    if isinstance(old, torch.nn.Parameter):
+        # PyroModule keeps its parameters as nn.Parameter and would swap in a
+        # new wrapper (a new tensor to the optimizer) on its next read.
+        value = torch.nn.Parameter(value)
+    store._params[name] = value
+    store._param_to_name[value] = name
+    return value
+
+
+def param_constraint(name: str) -> Any:
+    """The constraint ``name`` was created with: Pyro has no public getter for it."""
+    return pyro.get_param_store()._constraints[name]
+
+
+def attach_unconstrained(value: Tensor, unconstrained: Tensor) -> None:
+    """Mark a constrained ``value`` as computed from ``unconstrained``, as Pyro's
+    own param statement does, so that SVI steps ``unconstrained`` when the
+    value was made outside Pyro's param statement (a few selected rows)."""
+    value.unconstrained = weakref.ref(unconstrained)  # type: ignore[attr-defined]
+    value._pyro_unconstrained_param = unconstrained  # type: ignore[attr-defined]
+
+
+def single_optimizer(pyro_optim: PyroOptim, param: Tensor) -> torch.optim.Optimizer:
+    """The one-parameter torch optimizer ``pyro_optim`` keeps (or makes) for ``param``.
+
+    Made by Pyro's own code, so that per-parameter arguments resolve exactly
+    as they would without this library; Pyro makes it only inside ``__call__``.
+    """
+    optimizer: torch.optim.Optimizer = pyro_optim._get_optim(param)
+    return optimizer
+
+
+def pop_waiting_state(pyro_optim: PyroOptim, name: str | None) -> dict[str, Any] | None:
+    """Loaded optimizer state that ``pyro_optim`` still holds for parameter ``name``
+    (``set_state`` keeps it until the parameter's optimizer is made), removed."""
+    state: dict[str, Any] | None = pyro_optim._state_waiting_to_be_consumed.pop(name, None)
+    return state
+
+
+def grad_version(grad: Tensor) -> int:
+    """How many times ``grad`` was modified in place (autograd's version counter).
+
+    The overlap must know whether a gradient changed after its bucket left;
+    an in-place accumulation keeps the tensor's identity, and only its version
+    counter says it changed.
+    """
+    version: int = grad._version
+    return version
