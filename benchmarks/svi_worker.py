@@ -532,7 +532,7 @@ def main() -> None:
     seconds = time_steps(training, args.steps, args.warmup)
     parameters = training.parameters()
     # Local parameters differ across workers by design: compare the rest.
-    local = pyro_distributed.local.ownership.local_params()
+    local = pyro_distributed.local.registry.local_params()
     shared = [(name, value) for name, value in parameters if name not in local]
     synced = in_sync(shared)
     cost = fitted_cost(shared) if args.fit_cost else {}

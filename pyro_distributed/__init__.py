@@ -14,6 +14,15 @@ Example::
     optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}))
     svi = pyro.infer.SVI(model, guide, optim, pyro.infer.Trace_ELBO())
     loss = pd.all_mean(svi.step(my_shard))
+
+The package is laid out by the job each part does, in layers that import
+only downwards (checked by import-linter, see ``pyproject.toml``):
+``evaluation`` and ``checkpoint`` work on a trained model; ``optim`` holds
+the optimizers users hand to SVI and ``data`` decides which rows each worker
+sees; ``local`` keeps per-data-point parameters on their owner and
+``exchange`` moves gradients between workers without knowing Pyro, so that
+any front end can call it; ``engines`` are the transports. Every public name
+is re-exported here, so users never need the subpackages.
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -23,7 +32,7 @@ from .data.subsample import shard_subsamples
 from .errors import PyroDistributedError
 from .evaluation.loss import evaluate_loss
 from .evaluation.predictive import Predictive
-from .local.ownership import gather_param, local_rows
+from .local.rows import gather_param, local_rows
 from .optim.consistency import assert_in_sync
 from .optim.distributed import DistributedOptimizer
 from .optim.horovod import HorovodOptimizer

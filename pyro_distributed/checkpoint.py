@@ -12,7 +12,7 @@ Saving and loading are collectives, called on every worker:
 * :func:`load_checkpoint` has worker 0 read and check the file and send its
   bytes to the others, so only worker 0 needs to see the file system.
 
-Local parameters (:mod:`pyro_distributed.local.ownership`) are the exception: each
+Local parameters (:mod:`pyro_distributed.local`) are the exception: each
 worker writes and reads its own blocks of them, beside worker 0's file, and
 they are re-partitioned when the number of workers changed
 (:mod:`pyro_distributed.local.blocks`).
@@ -31,7 +31,7 @@ import torch
 
 from .errors import PyroDistributedError
 from .internals import replace_unconstrained
-from .local import ownership
+from .local import registry
 from .local.blocks import (
     load_blocks,
     new_token,
@@ -70,7 +70,7 @@ def save_checkpoint(path: str | os.PathLike[str], optim: DistributedOptimizer) -
     target = Path(path)
     rng_states = engine.allgather_object((pyro.util.get_rng_state(), block_generator().get_state()))
     store = pyro.get_param_store()
-    local = {name: p for name, p in ownership.local_params().items() if name in store}
+    local = {name: p for name, p in registry.local_params().items() if name in store}
     optim_state = optim.get_state()
     token = None
     if local:
@@ -165,7 +165,7 @@ def load_checkpoint(
     state = _deserialize(raw)
     meta = state.get("local")
     local = {
-        name: ownership.LocalParam(name, *spec)
+        name: registry.LocalParam(name, *spec)
         for name, spec in (meta or {"params": {}})["params"].items()
     }
     _check_compatible(os.fspath(path), state, local)
@@ -207,13 +207,13 @@ def _restore_param_store(saved: dict[str, Any], local: dict[str, Any]) -> None:
 
 def _restore_local(
     values: dict[str, torch.Tensor],
-    local: dict[str, ownership.LocalParam],
+    local: dict[str, registry.LocalParam],
     constraints: dict[str, Any],
 ) -> None:
     """Install this worker's rows of each local parameter, bit for bit."""
     store = pyro.get_param_store()
     current = dict(store.named_parameters())
-    ownership.forget(local)
+    registry.forget(local)
     for name, value in values.items():
         if name in current and current[name].shape == value.shape:
             with torch.no_grad():
@@ -223,7 +223,7 @@ def _restore_local(
         else:
             fresh = value.clone().requires_grad_(True)
             store.set_state({"params": {name: fresh}, "constraints": {name: constraints[name]}})
-        ownership.register(local[name])
+        registry.register(local[name])
 
 
 def _check_optim(optim: object) -> None:

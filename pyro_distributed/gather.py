@@ -16,7 +16,6 @@ bandwidth, not memory.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping
 from typing import Literal
@@ -24,6 +23,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .consensus import ABSENT, describe_split, first_disagreement
+from .digest import digest
 from .engines import Engine
 from .errors import PyroDistributedError
 
@@ -35,13 +36,8 @@ Destination = Literal["main", "all"]
 _Spec = tuple[tuple[int, ...], torch.dtype, str | None]
 
 
-def _digest(piece: Tensor) -> str:
-    data = piece.detach().cpu().contiguous()
-    return hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
 def _spec(piece: Tensor, shared: bool) -> _Spec:
-    return tuple(piece.shape), piece.dtype, _digest(piece) if shared else None
+    return tuple(piece.shape), piece.dtype, digest(piece) if shared else None
 
 
 def gather_pieces(
@@ -106,25 +102,24 @@ def _broadcast(engine: Engine, tensor: Tensor, src: int) -> None:
 
 
 def _check_same_names(specs: list[dict[str, _Spec]]) -> None:
-    first = set(specs[0])
-    for rank, spec in enumerate(specs):
-        if set(spec) != first:
-            raise PyroDistributedError(
-                f"workers 0 and {rank} produced different results to gather: "
-                f"{sorted(first ^ set(spec))} on only one of them"
-            )
-    for name in first:
-        dtypes = {spec[name][1] for spec in specs}
-        if len(dtypes) > 1:
-            raise PyroDistributedError(f"workers disagree on the dtype of {name!r}: {dtypes}")
+    found = first_disagreement(
+        [{name: str(spec[1]) for name, spec in view.items()} for view in specs]
+    )
+    if found is not None:
+        name, dtypes = found
+        raise PyroDistributedError(
+            f"workers disagree on the result {name!r} to gather ("
+            + describe_split(dtypes, lambda d: "no such result" if d is ABSENT else d)
+            + ")"
+        )
 
 
 def _check_shared(name: str, digests: list[str | None]) -> None:
-    differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
-    if differing:
+    if len(set(digests)) > 1:
         raise PyroDistributedError(
-            f"{name!r} should be identical on every worker but differs between worker 0 "
-            f"and worker(s) {differing}"
+            f"{name!r} should be identical on every worker but differs ("
+            + describe_split(digests, lambda d: f"digest {d}")
+            + ")"
         )
 
 

@@ -11,6 +11,7 @@ torch.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import pyro
@@ -25,6 +26,8 @@ __all__ = [
     "Subsample",
     "attach_unconstrained",
     "grad_version",
+    "init_optimizer_hooks",
+    "module_param",
     "param_constraint",
     "pop_waiting_state",
     "replace_unconstrained",
@@ -88,6 +91,26 @@ def attach_unconstrained(value: Tensor, unconstrained: Tensor) -> None:
     value._pyro_unconstrained_param = unconstrained  # type: ignore[attr-defined]
 
 
+def module_param(msg: dict[str, Any]) -> tuple[Tensor, Any] | None:
+    """For a ``param`` message from a PyroModule in ``module_local_params`` mode,
+    the module's unconstrained ``nn.Parameter`` and its constraint; else ``None``.
+
+    In that mode a PyroParam lives on its module, not in the param store, and
+    Pyro announces each use with a message whose only argument is the name and
+    whose function returns the constrained value it already computed, tied to
+    the parameter by ``.unconstrained``. Pyro marks such messages no other way.
+    A ``pyro.param`` statement always passes its init as a second argument.
+    """
+    if len(msg["args"]) != 1 or msg["args"][0] in pyro.get_param_store():
+        return None
+    value = msg["fn"]()
+    ref = getattr(value, "unconstrained", None)
+    tensor = ref() if callable(ref) else None
+    if not isinstance(tensor, torch.nn.Parameter):
+        return None
+    return tensor, msg["kwargs"].get("constraint")
+
+
 def single_optimizer(pyro_optim: PyroOptim, param: Tensor) -> torch.optim.Optimizer:
     """The one-parameter torch optimizer ``pyro_optim`` keeps (or makes) for ``param``.
 
@@ -103,6 +126,20 @@ def pop_waiting_state(pyro_optim: PyroOptim, name: str | None) -> dict[str, Any]
     (``set_state`` keeps it until the parameter's optimizer is made), removed."""
     state: dict[str, Any] | None = pyro_optim._state_waiting_to_be_consumed.pop(name, None)
     return state
+
+
+def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that shares another's groups and state (so skips
+    ``Optimizer.__init__``, which would replace them) the hook registries that
+    ``__init__`` makes, and the step wrapper that runs those hooks, so that
+    ``register_step_pre_hook`` and friends work on it as on any optimizer."""
+    optimizer._optimizer_step_pre_hooks = OrderedDict()
+    optimizer._optimizer_step_post_hooks = OrderedDict()
+    optimizer._optimizer_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_state_dict_post_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
+    optimizer._patch_step_function()
 
 
 def grad_version(grad: Tensor) -> int:

@@ -16,6 +16,7 @@ import pyro
 import torch
 
 from . import runtime
+from .checks import check_int
 
 __all__ = ["block_generator", "derived_seed", "set_rng_seed", "shared_generator", "worker_seed"]
 
@@ -53,8 +54,7 @@ def set_rng_seed(seed: int) -> None:
     .. warning::
         Call it on every worker with the same ``seed``.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    check_int("seed", seed, minimum=0)
     pyro.set_rng_seed(worker_seed(seed, runtime.rank()))
     _shared.manual_seed(seed)
     block_generator().manual_seed(derived_seed(seed, runtime.rank(), _BLOCK_STREAM))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's whole check, as CI runs it: set up the venv, build Horovod
-# (cached after the first run), lint, type-check and run every test.
+# (cached after the first run), lint, type-check, check the import layers and
+# run every test.
 #
 #   bash scripts/test.sh [extra pytest arguments]
 set -euo pipefail
@@ -14,5 +15,7 @@ ruff check pyro_distributed tests examples benchmarks scripts
 ruff format --check pyro_distributed tests examples benchmarks scripts
 echo "[test] mypy"
 mypy
+echo "[test] import layers"
+lint-imports
 echo "[test] pytest"
 python -m pytest "$@"

@@ -283,7 +283,7 @@ def test_drift_is_caught_by_check_every_and_names_param_and_workers(
     messages = run_workers(drift, what)
     assert messages[0] == messages[1]
     assert f"workers have drifted apart: {expected} differs" in messages[0]
-    assert "workers [0] hold version" in messages[0] and "workers [1] hold version" in messages[0]
+    assert "worker 0: version" in messages[0] and "worker 1: version" in messages[0]
 
 
 # --- bad input table -------------------------------------------------------------------------

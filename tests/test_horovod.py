@@ -376,7 +376,7 @@ def test_bad_arguments_get_clear_errors() -> None:
         "gradient_predivide_factor not supported with op != Average"
         in messages["predivide_with_sum"]
     )
-    assert "backward_passes_per_step must be > 0" in messages["zero_passes"]
+    assert "backward_passes_per_step must be a positive int" in messages["zero_passes"]
     assert "groups should be a non-negative integer" in messages["bad_groups"]
     assert "op=hvd.Adasum is not supported" in messages["adasum"]
     assert "compression must be" in messages["bad_compression"]

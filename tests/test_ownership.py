@@ -85,7 +85,7 @@ def train(own: bool, optim_name: str, guide_name: str, size: int = N) -> dict[st
     store = pyro.get_param_store()
     return {
         "values": {name: value.detach().clone() for name, value in store.named_parameters()},
-        "local": {name: pd.local_rows(name) for name in pd.local.ownership.local_params()},
+        "local": {name: pd.local_rows(name) for name in pd.local.registry.local_params()},
         "bytes": state_bytes(dict(store.named_parameters()).values(), optim.optim_objs.values()),
     }
 

@@ -117,7 +117,7 @@ def test_bad_arguments_are_named() -> None:
         pd.Predictive(model, num_samples=2, split="rows")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="gather must be 'main' or 'all'"):
         pd.Predictive(model, num_samples=2, gather="some")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="chunk_size must be a non-negative int"):
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         pd.Predictive(model, num_samples=2, chunk_size=0)
     with pytest.raises(ValueError, match="Either posterior_samples or num_samples"):
         pd.Predictive(model)

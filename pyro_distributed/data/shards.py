@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.utils.data import Sampler, TensorDataset
 
 from .. import runtime
+from ..checks import check_choice, check_int
 from ..partition import block_range
 from ..seeding import derived_seed
 from .plates import RowOrigin, record_origin
@@ -58,10 +59,8 @@ def shard_indices(
         by ``(seed, epoch)``, the same on every worker.
     :param uneven: ``"drop"``, ``"pad"`` or ``"split"``; see the module documentation.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
-    if uneven not in ("split", "drop", "pad"):
-        raise ValueError(f"uneven must be 'split', 'drop' or 'pad', got {uneven!r}")
+    check_int("n", n, minimum=0)
+    check_choice("uneven", uneven, ("split", "drop", "pad"))
     workers, rank = runtime.world_size(), runtime.rank()
     if shuffle:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)

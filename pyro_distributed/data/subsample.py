@@ -23,7 +23,7 @@ may differ in length by one, so every site inside such a plate is scaled by
 then estimates its block's share times W, and the average over workers is
 unbiased for the whole plate. With ``own_local_params=True`` the local
 parameters of such plates hold block r's rows only
-(:mod:`pyro_distributed.local.ownership`).
+(:mod:`pyro_distributed.local`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ import torch
 from pyro.poutine.messenger import Messenger
 
 from .. import runtime
-from ..internals import Subsample
-from ..local import ownership
+from ..checks import check_bool
+from ..internals import Subsample, module_param
+from ..local import registry, store
 from ..partition import block_range
 from ..seeding import block_generator, shared_generator
 from .plates import shard_lengths
@@ -105,9 +106,8 @@ class shard_subsamples(Messenger):
 
     def __init__(self, *, by_block: bool = False, own_local_params: bool = False) -> None:
         super().__init__()
-        for name, value in (("by_block", by_block), ("own_local_params", own_local_params)):
-            if not isinstance(value, bool):
-                raise TypeError(f"shard_subsamples: {name} must be True or False, got {value!r}")
+        check_bool("shard_subsamples: by_block", by_block)
+        check_bool("shard_subsamples: own_local_params", own_local_params)
         self.own_local_params = own_local_params
         self.by_block = by_block or own_local_params
         # plate name -> (size, this step's global indices) for plates drawn by block
@@ -186,7 +186,7 @@ class shard_subsamples(Messenger):
             ),
             None,
         )
-        known = ownership.local_param(name)
+        known = registry.local_param(name)
         if frame is None or event_dim is None or frame.dim is None:
             if known is not None and self.own_local_params:
                 raise ValueError(
@@ -195,15 +195,20 @@ class shard_subsamples(Messenger):
                 )
             return
         size, indices = self._blocks[frame.name]
-        param = ownership.LocalParam(name, frame.name, size, frame.dim - event_dim)
+        param = registry.LocalParam(name, frame.name, size, frame.dim - event_dim)
         init = msg["args"][1] if len(msg["args"]) > 1 else None
         constraint = msg["kwargs"].get("constraint")
+        # A PyroModule's parameter in module_local_params mode lives on the module.
+        held = module_param(msg)
+        tensor = None if held is None else held[0]
+        if held is not None:
+            constraint = held[1]
         if self.own_local_params:
-            ownership.localize(param, init, constraint)
-            ownership.register(param)
+            store.localize(param, init, constraint, tensor)
+            registry.register(param, tensor, constraint)
         else:
-            ownership.create(param, init, constraint)
-        msg["value"] = ownership.select_rows(param, indices, owned=self.own_local_params)
+            store.create(param, init, constraint, tensor)
+        msg["value"] = store.select_rows(param, indices, self.own_local_params, tensor, constraint)
         # The plate must not subsample the value again: that is done.
         msg["kwargs"] = {**msg["kwargs"], "event_dim": None}
 

@@ -28,6 +28,7 @@ import torch
 from pyro.poutine.messenger import Messenger
 
 from .. import runtime
+from ..checks import check_int
 from ..data.shards import Data, block_batches, data_columns
 from ..internals import Subsample
 
@@ -129,10 +130,7 @@ def evaluate_loss(
             f"evaluate_loss: loss must be an ELBO such as pyro.infer.Trace_ELBO(), "
             f"got {type(loss).__name__}"
         )
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-    ):
-        raise ValueError(f"evaluate_loss: batch_size must be a positive int, got {batch_size!r}")
+    check_int("evaluate_loss: batch_size", batch_size, minimum=1, optional=True)
     columns = data_columns(data, "evaluate_loss")
     size = len(columns[0])
     total, refusal = 0.0, None

@@ -38,6 +38,7 @@ from pyro.poutine.messenger import Messenger
 from torch import Tensor
 
 from .. import runtime
+from ..checks import check_choice, check_int
 from ..data.shards import block_batches, data_columns
 from ..gather import Destination, gather_pieces
 from ..internals import Subsample
@@ -102,15 +103,10 @@ class Predictive:
         seed: int | None = None,
         chunk_size: int | None = None,
     ) -> None:
-        if split not in ("samples", "data"):
-            raise ValueError(f"Predictive: split must be 'samples' or 'data', got {split!r}")
-        if gather not in ("main", "all"):
-            raise ValueError(f"Predictive: gather must be 'main' or 'all', got {gather!r}")
-        for name, value in (("seed", seed), ("chunk_size", chunk_size)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < (name != "seed")
-            ):
-                raise ValueError(f"Predictive: {name} must be a non-negative int, got {value!r}")
+        check_choice("Predictive: split", split, ("samples", "data"))
+        check_choice("Predictive: gather", gather, ("main", "all"))
+        check_int("Predictive: seed", seed, minimum=0, optional=True)
+        check_int("Predictive: chunk_size", chunk_size, minimum=1, optional=True)
         # Pyro's own class checks the first six arguments and works out num_samples.
         checked = pyro.infer.Predictive(  # type: ignore[no-untyped-call]
             model, dict(posterior_samples or {}) or None, guide, num_samples, return_sites, parallel

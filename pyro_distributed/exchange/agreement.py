@@ -30,14 +30,15 @@ New parameters (first seen, or re-created with the same name) then take worker
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..consensus import describe_split, describe_workers
+from ..digest import digest_int
 from ..engines import Engine
 from ..errors import PyroDistributedError
 from .layout import broadcast_values_
@@ -100,13 +101,6 @@ def _spec(tensor: Tensor) -> Spec:
     return tuple(tensor.shape), str(tensor.dtype)
 
 
-def _digest(names: Sequence[str], new_specs: Sequence[tuple[str, Spec]]) -> int:
-    hasher = hashlib.blake2b(digest_size=8)
-    hasher.update(repr((tuple(names), tuple(new_specs))).encode())
-    # 62 bits, so that both h and -h fit in an int64.
-    return int.from_bytes(hasher.digest(), "little") >> 2
-
-
 def digest_floats(digest: int) -> list[float]:
     """A digest as floats that can travel in a *sum* and still show disagreement.
 
@@ -128,11 +122,6 @@ def digests_equal(sums: Sequence[float], world_size: int) -> bool:
         world_size * square == total * total
         for total, square in zip(totals[:half], totals[half:], strict=True)
     )
-
-
-def _workers(ranks: Iterable[int]) -> str:
-    ranks = sorted(ranks)
-    return ("worker " if len(ranks) == 1 else "workers ") + ", ".join(map(str, ranks))
 
 
 class ParameterAgreement:
@@ -158,7 +147,7 @@ class ParameterAgreement:
         """
         names = sorted(given)
         new = [name for name in names if self._synced.get(name) is not given[name]]
-        digest = _digest(names, [(name, _spec(given[name])) for name in new])
+        digest = digest_int((names, [(name, _spec(given[name])) for name in new]))
         return Proposal(tuple(names), dict(given), tuple(new), digest)
 
     def accept(self, proposal: Proposal) -> StepParams:
@@ -219,23 +208,23 @@ def _raise_on_disagreement(
         lacking = [r for r in ranks if name not in views[r]["store"]]
         if lacking:
             problems.append(
-                f"parameter {name!r} is used on {_workers(givers)} but does not exist in the "
-                f"{catalog_name} of {_workers(lacking)}"
+                f"parameter {name!r} is used on {describe_workers(givers)} but does not "
+                f"exist in the {catalog_name} of {describe_workers(lacking)}"
             )
             continue
         specs = {r: views[r]["store"][name] for r in ranks}
         if len(set(specs.values())) > 1:
-            shown = "; ".join(
-                f"worker {r}: shape {list(shape)}, {dtype}" for r, (shape, dtype) in specs.items()
+            shown = describe_split(
+                list(specs.values()), lambda spec: f"shape {list(spec[0])}, {spec[1]}"
             )
             problems.append(f"parameter {name!r} differs in shape or dtype ({shown})")
             continue
         fresh = [r for r in ranks if name not in views[r]["synced"]]
         if fresh and len(fresh) < len(views):
             problems.append(
-                f"parameter {name!r} was re-created on {_workers(fresh)} only (for example by "
-                f"pyro.clear_param_store()); it is still the synchronised one on "
-                f"{_workers(set(ranks) - set(fresh))}"
+                f"parameter {name!r} was re-created on {describe_workers(fresh)} only (for "
+                f"example by pyro.clear_param_store()); it is still the synchronised one on "
+                f"{describe_workers(set(ranks) - set(fresh))}"
             )
     if problems:
         raise PyroDistributedError(

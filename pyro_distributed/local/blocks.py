@@ -1,6 +1,6 @@
 """Checkpoint files for local parameters: each worker writes its own block.
 
-Local parameters (:mod:`pyro_distributed.local.ownership`) never exist whole on
+Local parameters (:mod:`pyro_distributed.local`) never exist whole on
 any worker, so :func:`~pyro_distributed.save_checkpoint` cannot have worker 0
 write them. Instead every worker writes its block of every local parameter,
 with the block's optimizer state, to a file of its own beside worker 0's
@@ -45,7 +45,7 @@ from torch import Tensor
 
 from ..engines import Engine
 from ..errors import PyroDistributedError
-from .ownership import LocalParam
+from .registry import LocalParam
 
 __all__ = ["block_path", "load_blocks", "new_token", "remove_blocks", "save_blocks"]
 

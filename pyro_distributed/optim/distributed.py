@@ -17,7 +17,6 @@ With one worker it does none of it but the step, and costs nothing.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
@@ -28,16 +27,18 @@ from pyro.optim import PyroOptim
 from torch import Tensor
 
 from .. import runtime
+from ..checks import check_bool, check_choice, check_int, check_number
 from ..engines import Engine
 from ..errors import PyroDistributedError
 from ..exchange.averager import Reduction
 from ..exchange.compression import Compression, compressor
 from ..exchange.sync import Exchanged, GradientSync
-from ..local.ownership import LocalGradients, split_local
+from ..local.gradients import LocalGradients, split_local
 from .consistency import assert_in_sync
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .schedulers import step_schedulers
+from .torch_optimizer import DistributedTorchOptimizer
 
 __all__ = ["DistributedOptimizer"]
 
@@ -53,6 +54,10 @@ class DistributedOptimizer(PyroOptim):
     :param pyro_optim: the optimizer to distribute, for example
         ``pyro.optim.Adam({"lr": 0.01})``, a ``PyroLRScheduler``, or
         ``ClippedAdam``. It is used, not copied: keep using it if you like.
+        A ``torch.optim.Optimizer`` instead (Pyro's torch-native loop) gives a
+        :class:`~pyro_distributed.optim.torch_optimizer.DistributedTorchOptimizer`,
+        which is a torch optimizer itself and takes the same arguments but
+        ``multi_tensor``.
     :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"``,
         ``"local"``, or a running :class:`~pyro_distributed.engines.Engine`.
         A name starts the engine with :func:`pyro_distributed.init` if needed.
@@ -132,6 +137,14 @@ class DistributedOptimizer(PyroOptim):
 
     _stepper: GroupedStepper | None
 
+    def __new__(cls, pyro_optim: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # A torch optimizer gets the torch front end, which is a
+        # torch.optim.Optimizer itself (Pyro's torch-native loop); the
+        # arguments are the same, so one name serves both paths.
+        if cls is DistributedOptimizer and isinstance(pyro_optim, torch.optim.Optimizer):
+            return DistributedTorchOptimizer(pyro_optim, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         pyro_optim: PyroOptim,
@@ -147,22 +160,13 @@ class DistributedOptimizer(PyroOptim):
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
-            raise TypeError(f"bucket_cap_mb must be a number, got {bucket_cap_mb!r}")
-        if not (math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
-            raise ValueError(f"bucket_cap_mb must be positive and finite, got {bucket_cap_mb!r}")
+        check_number("bucket_cap_mb", bucket_cap_mb, positive=True)
         if not isinstance(engine, (str, Engine)):
             raise TypeError(f"engine must be a name or an Engine, got {type(engine).__name__}")
-        if nonfinite not in ("skip", "raise"):
-            raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
-        if check_every is not None and (
-            isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1
-        ):
-            raise ValueError(f"check_every must be a positive int or None, got {check_every!r}")
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be True or False, got {overlap!r}")
-        if multi_tensor is not None and not isinstance(multi_tensor, bool):
-            raise TypeError(f"multi_tensor must be True, False or None, got {multi_tensor!r}")
+        check_choice("nonfinite", nonfinite, ("skip", "raise"))
+        check_int("check_every", check_every, minimum=1, optional=True)
+        check_bool("overlap", overlap)
+        check_bool("multi_tensor", multi_tensor, optional=True)
         reduction = Reduction(compression=compressor(compression))
         running = runtime.init(engine) if isinstance(engine, str) else engine
         self._configure(
@@ -251,12 +255,12 @@ class DistributedOptimizer(PyroOptim):
         if self.sync is None:
             self._step_wrapped(params, *args, **kwargs)
             return
-        replicated, local = split_local(params)
-        exchanged = self.sync.exchange(_by_store_name(replicated), _param_store)
+        replicated, local = split_local(_by_store_name(params))
+        exchanged = self.sync.exchange(replicated, _param_store)
         finite = exchanged.finite
         if local:
             finite = self._local.prepare(local) and finite
-        stepped = [*exchanged.tensors, *local]
+        stepped = [*exchanged.tensors, *local.values()]
         if finite:
             if self._noise is not None and exchanged.tensors:  # before the wrapped optimizer clips
                 self._noise.observe(*self.sync.squared_norms())
@@ -326,6 +330,10 @@ class DistributedOptimizer(PyroOptim):
             self.sync.forget()
         if self._stepper is not None:
             self._stepper.forget()
+
+    def checked_tensors(self) -> dict[str, Tensor]:
+        """The parameters that must be identical on every worker: the param store."""
+        return _param_store()
 
     def get_state(self) -> dict[str, Any]:
         """The optimizer state, keyed by param-store name, in PyroOptim's format."""

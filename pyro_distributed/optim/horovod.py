@@ -19,7 +19,6 @@ steps through one multi-tensor optimizer where that is exact, as
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +27,7 @@ from pyro.optim import PyroOptim
 from torch import Tensor
 
 from .. import runtime
+from ..checks import check_bool, check_int, check_number
 from ..engines.horovod import HorovodEngine
 from ..exchange.averager import Reduction
 from .distributed import DistributedOptimizer
@@ -132,18 +132,12 @@ def _parse(engine: HorovodEngine, kwargs: Mapping[str, Any]) -> tuple[Reduction,
         raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
 
     predivide = kwargs.get("gradient_predivide_factor", 1.0)
-    if isinstance(predivide, bool) or not isinstance(predivide, (int, float)):
-        raise TypeError(f"gradient_predivide_factor must be a number, got {predivide!r}")
-    if not (math.isfinite(predivide) and predivide > 0):
-        raise ValueError(f"gradient_predivide_factor must be positive, got {predivide!r}")
+    check_number("gradient_predivide_factor", predivide, positive=True)
     if predivide != 1.0 and op != hvd.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
 
     passes = kwargs.get("backward_passes_per_step", 1)
-    if isinstance(passes, bool) or not isinstance(passes, int):
-        raise TypeError(f"backward_passes_per_step must be an int, got {passes!r}")
-    if passes <= 0:
-        raise ValueError(f"backward_passes_per_step must be > 0, got {passes}")
+    check_int("backward_passes_per_step", passes, minimum=1)
 
     groups = kwargs.get("groups")
     num_groups = kwargs.get("num_groups", 0)
@@ -162,8 +156,7 @@ def _parse(engine: HorovodEngine, kwargs: Mapping[str, Any]) -> tuple[Reduction,
         )
 
     sparse_as_dense = kwargs.get("sparse_as_dense", False)
-    if not isinstance(sparse_as_dense, bool):
-        raise TypeError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
+    check_bool("sparse_as_dense", sparse_as_dense)
 
     compression = kwargs.get("compression", hvd.Compression.none)
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):

@@ -25,7 +25,7 @@ Where the numbers come from: :class:`~pyro_distributed.reduce.GradientAverager`
 lets each worker's squared norm ride in the gradient buckets' sums, so
 ``small`` costs no collective; ``big`` is read from the averaged gradient.
 Both are taken before the wrapped optimizer steps, so clipping does not
-distort them. Local parameters (:mod:`pyro_distributed.local.ownership`) never
+distort them. Local parameters (:mod:`pyro_distributed.local`) never
 travel and are not part of the measurement. Steps whose averaged gradient
 is not finite are skipped by every worker and leave the averages alone.
 
@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from ..checks import check_int
 
 __all__ = ["DEFAULT_SMOOTHING", "NoiseScale", "NoiseScaleEstimator"]
 
@@ -196,10 +198,7 @@ class NoiseScaleEstimator:
 
     def estimate(self, batch_size: int | None = None) -> NoiseScale:
         """The current estimates; ``batch_size`` (points per worker) adds B_simple in points."""
-        if batch_size is not None and (
-            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-        ):
-            raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+        check_int("batch_size", batch_size, minimum=1, optional=True)
         gradient_sq, trace_sigma = self._gradient_sq.value, self._trace_sigma.value
         if self.steps == 0:
             b_simple = math.nan

@@ -1,0 +1,111 @@
+"""What the optimizer does with local parameters' gradients at each step.
+
+A local parameter's gradient never travels. Replicated, its rows would be
+averaged with W-1 zero contributions, which is the owner's gradient times
+1/W; :func:`scale_local_grads` multiplies by exactly that factor, so the rows
+come out bitwise as the replicated path computes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from ..consensus import ABSENT, require_agreement
+from ..engines import Engine
+from .registry import (
+    LocalParam,
+    any_registered,
+    local_of,
+    local_param,
+    pop_touched,
+    registered,
+)
+
+__all__ = ["LocalGradients", "scale_local_grads", "split_local"]
+
+
+def split_local(named: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """``named`` split into (replicated, local); the local ones by their own names
+    (param-store names, or the names their PyroModule gives them)."""
+    if not any_registered():
+        return dict(named), {}
+    replicated: dict[str, Tensor] = {}
+    local: dict[str, Tensor] = {}
+    for name, param in named.items():
+        record = local_of(param)
+        if record is None:
+            replicated[name] = param
+        else:
+            local[record.name] = param
+    return replicated, local
+
+
+def scale_local_grads(params: Mapping[str, Tensor], world_size: int) -> bool:
+    """Multiply local gradients by 1/W, in place; return whether all are finite.
+
+    1/W is what averaging them with W-1 zero contributions gives, and bitwise
+    so: the average is computed as a sum, which adds exact zeros, times 1/W.
+    Only the rows selected since the last step can be non-zero, so only those
+    are scaled and checked: O(batch) work instead of O(N/W).
+    """
+    factor = 1.0 / world_size
+    finite = True
+    for name, param in params.items():
+        touched = pop_touched(name)
+        record = local_param(name, param)
+        grad = param.grad
+        if grad is None:
+            continue
+        if touched is None or record is None:
+            grad.mul_(factor)
+            finite = finite and bool(torch.isfinite(grad).all())
+            continue
+        axis = record.axis % grad.dim()
+        rows = torch.unique(torch.cat(touched))
+        scaled = grad.index_select(axis, rows).mul_(factor)
+        grad.index_copy_(axis, rows, scaled)
+        finite = finite and bool(torch.isfinite(scaled).all())
+    return finite
+
+
+class LocalGradients:
+    """What the optimizer does with local parameters' gradients at each step."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._agreed: set[str] = set()
+
+    def prepare(self, params: Mapping[str, Tensor]) -> bool:
+        """Scale the gradients by 1/W; return whether every worker's are finite.
+
+        The first time a local parameter reaches the optimizer, the workers
+        compare its plate (a collective); a different size on some worker is
+        an error on every worker. Then one one-element reduction per step
+        tells every worker whether any local gradient anywhere is NaN or Inf,
+        so that all skip (or refuse) the step together.
+        """
+        fresh = sorted(name for name in params if name not in self._agreed)
+        if fresh:
+            _check_plates_agree(self._engine, {name: registered(name) for name in fresh})
+            self._agreed.update(fresh)
+        finite = scale_local_grads(params, self._engine.world_size)
+        flag = torch.tensor([int(not finite)], dtype=torch.int64)
+        self._engine.allreduce_([flag], op="max")
+        return not bool(flag.item())
+
+
+def _check_plates_agree(engine: Engine, params: dict[str, LocalParam]) -> None:
+    require_agreement(
+        engine,
+        {name: (p.plate, p.size, p.axis) for name, p in params.items()},
+        message=lambda name, split: (
+            f"workers disagree on local parameter {name!r} ({split}); a local "
+            f"parameter's plate must have the same size on every worker"
+        ),
+        describe=lambda value: (
+            "not a local parameter" if value is ABSENT else f"plate {value[0]!r} of size {value[1]}"
+        ),
+    )

@@ -1,0 +1,130 @@
+"""Every reach into Pyro's and torch's private names (pyro_distributed.internals).
+
+Each test exercises one reach for what the library relies on. When an
+upgrade moves an internal, the failure names the installed versions, so the
+reader knows at once which release broke it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.optim import PyroOptim
+from torch.distributions import constraints
+
+from pyro_distributed import internals
+
+VERSIONS = f"pyro {pyro.__version__}, torch {torch.__version__}"
+
+
+@contextmanager
+def reaching(what: str) -> Iterator[None]:
+    """Fail with the versions named if the internal behind ``what`` has moved."""
+    try:
+        yield
+    except (AttributeError, KeyError, TypeError, AssertionError) as exc:
+        pytest.fail(f"{what} no longer works with {VERSIONS}: {type(exc).__name__}: {exc}")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_store() -> None:
+    pyro.clear_param_store()
+
+
+def test_stored_unconstrained_is_the_tensor_the_store_steps() -> None:
+    with reaching("ParamStore._params"):
+        pyro.param("scale", torch.ones(3), constraint=constraints.positive)
+        stored = internals.stored_unconstrained("scale")
+        assert stored is pyro.get_param_store().named_parameters().__iter__().__next__()[1]
+        assert torch.equal(stored, torch.zeros(3))  # log(1): the unconstrained value
+        assert internals.stored_unconstrained("missing") is None
+
+
+def test_replace_unconstrained_keeps_every_bit_and_the_name_map() -> None:
+    with reaching("ParamStore._params and _param_to_name"):
+        pyro.param("scale", torch.ones(3), constraint=constraints.positive)
+        old = internals.stored_unconstrained("scale")
+        value = torch.tensor([0.1, -2.0, 3.0])
+        stored = internals.replace_unconstrained("scale", value)
+        store = pyro.get_param_store()
+        assert torch.equal(stored, value) and stored.requires_grad
+        assert internals.stored_unconstrained("scale") is stored
+        assert store.param_name(stored) == "scale"
+        assert old is not None and store.param_name(old) is None
+
+
+def test_param_constraint_is_the_one_it_was_created_with() -> None:
+    with reaching("ParamStore._constraints"):
+        pyro.param("p", torch.tensor(0.5), constraint=constraints.unit_interval)
+        assert internals.param_constraint("p") is constraints.unit_interval
+
+
+def test_attach_unconstrained_makes_svi_step_the_unconstrained_tensor() -> None:
+    with reaching("the unconstrained / _pyro_unconstrained_param attributes"):
+        pyro.param("loc", torch.zeros(4))
+        unconstrained = internals.stored_unconstrained("loc")
+        assert unconstrained is not None
+        rows = unconstrained.index_select(0, torch.tensor([1, 2]))
+
+        def guide() -> None:
+            value = rows.clone()
+            internals.attach_unconstrained(value, unconstrained)
+            pyro.sample("x", dist.Normal(value, 1.0).to_event(1))
+
+        trace = pyro.poutine.trace(guide).get_trace()
+        # What SVI reads to find the tensors to step.
+        value = trace.nodes["x"]["fn"].base_dist.loc
+        assert value.unconstrained() is unconstrained
+        assert value._pyro_unconstrained_param is unconstrained
+
+
+def test_single_optimizer_and_waiting_state_are_pyro_optims_own() -> None:
+    with reaching("PyroOptim._get_optim and _state_waiting_to_be_consumed"):
+        param = pyro.param("w", torch.zeros(2)).unconstrained()
+        optim = PyroOptim(torch.optim.Adam, {"lr": 0.5})
+        param.grad = torch.ones(2)
+        optim([param])
+        saved = optim.get_state()
+        fresh = PyroOptim(torch.optim.Adam, {"lr": 0.5})
+        fresh.set_state(saved)
+        waiting = internals.pop_waiting_state(fresh, "w")
+        assert waiting is not None and waiting["state"][0]["step"] == 1
+        assert internals.pop_waiting_state(fresh, "w") is None
+        single = internals.single_optimizer(fresh, param)
+        assert isinstance(single, torch.optim.Adam)
+        assert single.param_groups[0]["params"] == [param]
+        assert single.param_groups[0]["lr"] == 0.5
+
+
+def test_subsample_is_the_distribution_of_a_plates_subsample_site() -> None:
+    with reaching("pyro.poutine.subsample_messenger._Subsample"):
+
+        def model() -> None:
+            with pyro.plate("data", 10, subsample_size=3):
+                pass
+
+        trace = pyro.poutine.trace(model).get_trace()
+        assert isinstance(trace.nodes["data"]["fn"], internals.Subsample)
+
+
+def test_grad_version_counts_in_place_changes() -> None:
+    with reaching("Tensor._version"):
+        grad = torch.zeros(3)
+        before = internals.grad_version(grad)
+        grad.add_(1.0)
+        assert internals.grad_version(grad) == before + 1
+        grad.clone()
+        assert internals.grad_version(grad) == before + 1
+
+
+def test_prefix_store_prefixes_keys() -> None:
+    with reaching("torch.distributed PrefixStore"):
+        base = torch.distributed.HashStore()
+        prefixed = internals.PrefixStore("attempt1", base)
+        prefixed.set("key", "value")
+        assert base.get("attempt1/key") == b"value"
