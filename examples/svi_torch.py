@@ -66,9 +66,9 @@ def make_data(size: int, seed: int) -> TensorDataset:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4000)
-    parser.add_argument("--batch-size", type=int, default=100)
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--batch-size", type=int, default=200, help="over all workers")
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -79,7 +79,9 @@ def main() -> None:
 
     dataset = make_data(args.size, seed=args.seed)
     sampler = pd.ShardSampler(dataset, shuffle=True, seed=args.seed)  # (2)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+    # Each worker takes its share of the global batch, so that a step sees the
+    # same amount of data, and an epoch has the same steps, at any world size.
+    loader = DataLoader(dataset, batch_size=args.batch_size // pd.world_size(), sampler=sampler)
 
     model = Regression(args.size)
     guide = AutoNormal(model)
@@ -88,7 +90,7 @@ def main() -> None:
     optimizer = pd.DistributedOptimizer(  # (3)
         torch.optim.Adam(loss_fn.parameters(), lr=args.lr)
     )
-    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.8)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.92)
 
     if pd.is_main():
         print(f"training on {pd.world_size()} worker(s), {len(loader)} steps per epoch")

@@ -159,3 +159,30 @@ def test_random_effects_example_recovers_the_effects(workers: int) -> None:
     assert float(match.group(1)) > float(match.group(2)) - 0.03, output
     mu = re.search(r"^mu (\S+),", output, re.MULTILINE)
     assert mu and abs(float(mu.group(1)) - 3.0) < 0.15, output
+
+
+SVI_TORCH = ROOT / "examples" / "svi_torch.py"
+
+
+def svi_torch_posterior(output: str) -> dict[str, float]:
+    match = re.search(
+        r"^posterior: slope (\S+) \+- (\S+), bias (\S+), scale (\S+)$", output, re.MULTILINE
+    )
+    assert match, output
+    return dict(
+        zip(["slope", "slope_sd", "bias", "scale"], map(float, match.groups()), strict=True)
+    )
+
+
+def test_svi_torch_example_gives_the_same_posterior_on_two_workers_as_on_one() -> None:
+    one = svi_torch_posterior(run([sys.executable, str(SVI_TORCH)]))
+    two_output = run([*python_or_torchrun(2), str(SVI_TORCH)])
+    assert two_output.count("training on 2 worker(s)") == 1, "only worker 0 prints"
+    two = svi_torch_posterior(two_output)
+    for posterior in (one, two):  # the truth: slope 1.5, bias -0.5, scale 0.7
+        assert abs(posterior["slope"] - 1.5) < 0.05, posterior
+        assert abs(posterior["bias"] + 0.5) < 0.05, posterior
+        assert abs(posterior["scale"] - 0.7) < 0.05, posterior
+    for name in ("slope", "bias", "scale"):
+        assert abs(one[name] - two[name]) < 0.01, (one, two)
+    assert abs(two["slope_sd"] / one["slope_sd"] - 1) < 0.25, (one, two)

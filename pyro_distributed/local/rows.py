@@ -5,35 +5,61 @@ from __future__ import annotations
 import pyro
 import torch
 from torch import Tensor
+from torch.distributions import constraints, transform_to
 
 from .. import runtime
 from ..gather import Destination, gather_pieces
-from .registry import LocalParam, local_param
+from .registry import LocalParam, local_of, local_param, module_constraint, unconstrained
 from .store import length_along
 
 __all__ = ["gather_param", "local_rows"]
 
 
-def _named(name: str) -> tuple[LocalParam | None, Tensor]:
+def _named(name: str, module: torch.nn.Module | None) -> tuple[LocalParam | None, Tensor]:
+    """The record (``None`` if not local) and the value of parameter ``name``.
+
+    ``name`` is a param-store name, or the name Pyro gives a PyroModule's
+    parameter in ``module_local_params`` mode (``"AutoNormal.locs.z"``): the
+    value is then constrained. With ``module``, ``name`` is one that
+    ``module.named_parameters()`` gives, and the value is that unconstrained
+    parameter.
+    """
+    if module is not None:
+        held = dict(module.named_parameters()).get(name)
+        if held is None:
+            raise KeyError(f"{type(module).__name__} has no parameter named {name!r}")
+        return local_of(held), held.detach()
     store = pyro.get_param_store()
-    if name not in store:
-        raise KeyError(f"no parameter named {name!r} in the param store")
-    return local_param(name), store[name].detach()
+    if name in store:
+        return local_param(name), store[name].detach()
+    tensor = unconstrained(name)
+    if tensor is None:
+        raise KeyError(
+            f"no parameter named {name!r} in the param store, nor a local parameter of a "
+            f"PyroModule of that name; for a module's own names, pass module="
+        )
+    constraint = module_constraint(name) or constraints.real
+    return local_param(name), transform_to(constraint)(tensor).detach()
 
 
-def local_rows(name: str) -> tuple[Tensor, Tensor]:
+def local_rows(name: str, *, module: torch.nn.Module | None = None) -> tuple[Tensor, Tensor]:
     """This worker's rows of a parameter, and where they sit in the whole.
 
     Returns ``(global_indices, rows)``: the global index of each row along the
     plate, and the (constrained) values. For a parameter that is not local,
     every row: ``(arange(n), value)`` along its first axis.
 
+    :param name: a param-store name, or the name Pyro gives a PyroModule's
+        parameter (``"AutoNormal.locs.z"``); with ``module``, a name from
+        ``module.named_parameters()`` (``"guide.locs.z_unconstrained"``),
+        whose unconstrained rows are returned.
+
     Example::
 
         indices, locs = pd.local_rows("AutoNormal.locs.z")
         predictions[indices] = decode(locs)   # this worker's data points
     """
-    param, value = _named(name)
+    param, value = _named(name, module)
     if param is None:
         return torch.arange(len(value)), value
     length = length_along(value, param)
@@ -46,13 +72,16 @@ def local_rows(name: str) -> tuple[Tensor, Tensor]:
     return torch.arange(rows.start, rows.stop), value
 
 
-def gather_param(name: str, *, to: Destination = "main") -> Tensor | None:
+def gather_param(
+    name: str, *, to: Destination = "main", module: torch.nn.Module | None = None
+) -> Tensor | None:
     """A local parameter's N rows, in their original order, on worker 0.
 
     A collective: every worker sends its block in turn and worker 0 copies it
     into place, so it never holds more than the result and one block. Other
     workers return ``None`` (with ``to="all"``, every worker gets the result).
-    For a parameter that is not local, its (replicated) value.
+    For a parameter that is not local, its (replicated) value. ``name`` and
+    ``module`` are as for :func:`local_rows`.
 
     Example::
 
@@ -63,10 +92,10 @@ def gather_param(name: str, *, to: Destination = "main") -> Tensor | None:
     .. warning::
         A collective: call it on every worker, with the same name.
     """
-    param, value = _named(name)
+    param, value = _named(name, module)
     engine = runtime.current_engine()
     if param is None:
         return value if to == "all" or engine.rank == 0 else None
-    _, mine = local_rows(name)
+    _, mine = local_rows(name, module=module)
     gathered = gather_pieces(engine, {name: mine}, {name: param.axis}, to)
     return None if gathered is None else gathered[name]

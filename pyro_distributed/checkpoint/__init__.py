@@ -1,0 +1,124 @@
+"""Checkpoints that every worker can resume from, written without races.
+
+Two kinds, one pair of functions: a run with a Pyro optimizer saves the param
+store (:mod:`.param_store`); a run with a torch optimizer saves the module it
+trains (:mod:`.modules`). Both hold the optimizer's state, every worker's RNG
+state and the step count, write local parameters' blocks beside the file, and
+share how files are written and read (:mod:`.files`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..optim.distributed import DistributedOptimizer
+from ..optim.torch_optimizer import DistributedTorchOptimizer
+from . import modules, param_store
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    optim: DistributedOptimizer | DistributedTorchOptimizer,
+    *,
+    module: torch.nn.Module | None = None,
+    schedulers: Sequence[Any] = (),
+) -> None:
+    """Write a checkpoint of this training run to ``path`` (worker 0 writes it).
+
+    :param path: where to write; its directory must exist on worker 0.
+    :param optim: the distributed optimizer of the run.
+    :param module: with a torch optimizer (Pyro's torch-native loop), the
+        module it trains, for example the ELBO module ``Trace_ELBO()(model,
+        guide)``: its parameters and buffers are saved.
+    :param schedulers: with a torch optimizer, its learning-rate schedulers,
+        whose state is saved too (a Pyro optimizer's schedulers are part of it).
+    :raises PyroDistributedError: on every worker, if worker 0 could not write
+        the file. The previous file at ``path``, if any, is left intact.
+
+    Example::
+
+        if step % 100 == 0:
+            pyro_distributed.save_checkpoint("run.pt", optim)
+            # torch-native: save_checkpoint("run.pt", optimizer, module=loss_fn)
+
+    .. warning::
+        Call it on every worker at the same step: it is a collective.
+    """
+    if isinstance(optim, DistributedTorchOptimizer):
+        modules.save(path, optim, _required(module), list(schedulers))
+        return
+    _check_pyro_optim(optim, module, schedulers)
+    param_store.save(path, optim)
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    optim: DistributedOptimizer | DistributedTorchOptimizer,
+    *,
+    missing_ok: bool = False,
+    module: torch.nn.Module | None = None,
+    schedulers: Sequence[Any] = (),
+) -> int:
+    """Restore a checkpoint on every worker; returns the step count it was saved at.
+
+    Afterwards every worker holds identical parameters and optimizer state.
+    Each worker's RNG state is restored when the world size matches the one
+    the checkpoint was written with; otherwise RNG states are left alone.
+
+    :param path: the checkpoint; only worker 0 needs to be able to read it.
+    :param optim: the distributed optimizer of the run being resumed.
+    :param missing_ok: if worker 0 finds no file, change nothing and return 0
+        on every worker: the one flag a restartable script needs (see below).
+    :param module: with a torch optimizer, the module it trains (as saved).
+    :param schedulers: with a torch optimizer, its schedulers (as saved).
+    :raises FileNotFoundError: on every worker, if worker 0 finds no file and
+        ``missing_ok`` is false.
+    :raises ValueError: on every worker, if the file is corrupt or truncated,
+        is not a checkpoint, or holds parameters that contradict the ones
+        already created (a checkpoint of a different model).
+
+    Example, a script that ``torchrun --max-restarts 3`` can restart at any
+    time and that finishes as if it had never stopped::
+
+        start = pyro_distributed.load_checkpoint("run.pt", optim, missing_ok=True)
+        for step in range(start, num_steps):
+            svi.step(data)
+            if (step + 1) % 100 == 0:
+                pyro_distributed.save_checkpoint("run.pt", optim)
+
+    .. warning::
+        Checkpoints are unpickled: load only files you trust. Call it on every
+        worker at the same point: it is a collective.
+    """
+    if isinstance(optim, DistributedTorchOptimizer):
+        return modules.load(path, optim, _required(module), list(schedulers), missing_ok)
+    _check_pyro_optim(optim, module, schedulers)
+    return param_store.load(path, optim, missing_ok)
+
+
+def _required(module: torch.nn.Module | None) -> torch.nn.Module:
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"a checkpoint of a torch optimizer's run needs module=, the torch.nn.Module it "
+            f"trains (the ELBO module, say); got {module!r}"
+        )
+    return module
+
+
+def _check_pyro_optim(optim: object, module: object, schedulers: Sequence[Any]) -> None:
+    if not isinstance(optim, DistributedOptimizer):
+        raise TypeError(
+            f"optim must be the run's DistributedOptimizer (or HorovodOptimizer), "
+            f"got {type(optim).__name__}"
+        )
+    if module is not None or schedulers:
+        raise TypeError(
+            "module= and schedulers= are for runs with a torch optimizer; a Pyro "
+            "optimizer's checkpoint holds the param store and its own schedulers"
+        )

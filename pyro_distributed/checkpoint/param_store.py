@@ -1,0 +1,158 @@
+"""Checkpoints of SVI runs with a Pyro optimizer: the param store and the optimizer.
+
+A checkpoint holds the param store (values and constraints), the optimizer's
+state (schedulers included), every worker's RNG state, the shared generator
+behind sharded subsamples, and the step count. Local parameters
+(:mod:`pyro_distributed.local`) are the exception: each worker writes and
+reads its own blocks of them, beside worker 0's file, and they are
+re-partitioned when the number of workers changed
+(:mod:`pyro_distributed.local.blocks`). Writing and reading are
+:mod:`.files`'.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pyro
+import pyro.util
+import torch
+
+from ..internals import replace_unconstrained
+from ..local import registry
+from ..local.blocks import load_blocks
+from ..optim.distributed import DistributedOptimizer
+from . import files
+
+__all__ = ["load", "save"]
+
+
+def save(path: str | os.PathLike[str], optim: DistributedOptimizer) -> None:
+    """:func:`~pyro_distributed.save_checkpoint` of a run with a Pyro optimizer."""
+    engine = optim.engine
+    rng_states = files.gather_rng(engine)
+    store = pyro.get_param_store()
+    local = {name: p for name, p in registry.local_params().items() if name in store}
+    optim_state = optim.get_state()
+
+    def state(local_meta: dict[str, Any] | None) -> dict[str, Any]:
+        saved_store = store.get_state()
+        return {
+            **files.header(engine, optim.num_steps, "param_store"),
+            "param_store": {
+                "params": _without(saved_store["params"], local),
+                "constraints": saved_store["constraints"],
+            },
+            "optim": _without(optim_state, local),
+            "rng": rng_states,
+            "local": local_meta,
+        }
+
+    values = dict(store.named_parameters()) if local else {}
+    files.commit(path, engine, state, local, values, optim_state)
+
+
+def load(path: str | os.PathLike[str], optim: DistributedOptimizer, missing_ok: bool) -> int:
+    """:func:`~pyro_distributed.load_checkpoint` of a run with a Pyro optimizer."""
+    engine = optim.engine
+    found = files.read(path, engine, missing_ok)
+    if found is None:
+        return 0
+    state, where = found
+    if state.get("kind", "param_store") != "param_store":
+        raise ValueError(
+            f"the checkpoint {os.fspath(path)!r} is of a module trained with a torch "
+            f"optimizer; load it with load_checkpoint(path, optimizer, module=...)"
+        )
+    local = files.local_params_of(state)
+    _check_compatible(os.fspath(path), state, local)
+
+    _restore_param_store(state["param_store"], local)
+    local_state: dict[str, Any] = {}
+    if state.get("local") is not None:
+        # Each worker reads the blocks it needs, from where worker 0 found the checkpoint.
+        values, local_state = load_blocks(where, state["local"], local)
+        _restore_local(values, local, state["param_store"]["constraints"])
+    optim._forget_parameters()
+    optim.set_state({**state["optim"], **local_state})
+    optim.num_steps = state["num_steps"]
+    files.restore_rng(state, engine)
+    return int(state["num_steps"])
+
+
+def _restore_param_store(saved: dict[str, Any], local: dict[str, Any]) -> None:
+    """Put the saved values into the param store.
+
+    Parameters that already exist are overwritten in place, not replaced:
+    ``PyroModule`` and ``pyro.module`` networks hold their own tensors, and
+    would silently keep training their old values if the store swapped them.
+    """
+    store = pyro.get_param_store()
+    current = dict(store.named_parameters())
+    with torch.no_grad():
+        for name, value in saved["params"].items():
+            if name in current:
+                current[name].copy_(value)
+    fresh = {name: value for name, value in saved["params"].items() if name not in current}
+    constraints = {name: c for name, c in saved["constraints"].items() if name not in local}
+    store.set_state({"params": fresh, "constraints": constraints})
+
+
+def _restore_local(
+    values: dict[str, torch.Tensor],
+    local: dict[str, registry.LocalParam],
+    constraints: dict[str, Any],
+) -> None:
+    """Install this worker's rows of each local parameter, bit for bit."""
+    store = pyro.get_param_store()
+    current = dict(store.named_parameters())
+    registry.forget(local)
+    for name, value in values.items():
+        if name in current and current[name].shape == value.shape:
+            with torch.no_grad():
+                current[name].copy_(value)
+        elif name in current:
+            replace_unconstrained(name, value)  # it still held all N rows
+        else:
+            fresh = value.clone().requires_grad_(True)
+            store.set_state({"params": {name: fresh}, "constraints": {name: constraints[name]}})
+        registry.register(local[name])
+
+
+def _without(entries: dict[str, Any], names: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in entries.items() if name not in names}
+
+
+def _check_compatible(path: str, state: dict[str, Any], local: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose parameters contradict the ones already created."""
+    saved = state["param_store"]["params"]
+    current = dict(pyro.get_param_store().named_parameters())
+    unknown = sorted(set(current) - set(saved) - set(local))
+    reshaped = sorted(
+        name
+        for name in set(current) & set(saved)
+        if current[name].shape != saved[name].shape or current[name].dtype != saved[name].dtype
+    )
+    reshaped += sorted(
+        name
+        for name in set(current) & set(local)
+        if current[name].shape[local[name].axis] not in (local[name].size, len(local[name].rows))
+    )
+    if unknown or reshaped:
+        details = []
+        if unknown:
+            details.append(f"parameters {unknown} exist now but not in the checkpoint")
+        if reshaped:
+            shown = ", ".join(
+                f"{name!r}: "
+                + (
+                    f"{list(saved[name].shape)} {saved[name].dtype} saved"
+                    if name in saved
+                    else f"{local[name].size} rows along plate {local[name].plate!r} saved"
+                )
+                + f", {list(current[name].shape)} {current[name].dtype} now"
+                for name in reshaped
+            )
+            details.append(f"parameters differ in shape or dtype ({shown})")
+        raise ValueError(f"the checkpoint {path!r} is of a different model: {'; '.join(details)}")
