@@ -72,9 +72,22 @@ CONFIGS: tuple[Config, ...] = (
     Config("ours-horovod-w2", "ours", "horovodrun", workers=2, baseline="plain-x2"),
     Config("pyro-horovod-w2", "pyro-horovod", "horovodrun", workers=2, baseline="plain-x2"),
     Config("ddp-w2", "ddp", "torchrun", workers=2, baseline="plain-x2"),
+    # Pyro's torch-native loop (an ELBO module and a torch Adam): plain torch,
+    # and ours around the same torch optimizer; ddp-w2 above is its DDP peer.
+    Config("torch-w1", "torch", "python"),
+    Config("torch-ours-w1", "torch-ours", "python", baseline="torch-w1"),
+    Config("torch-ours-w2", "torch-ours", "torchrun", workers=2, baseline="plain-x2"),
     # Local parameters owned by their worker (run by bench_local.py only).
     Config(
         "ours-owned-w2", "ours-owned", "torchrun", workers=2, baseline="plain-x2", named_only=True
+    ),
+    Config(
+        "torch-ours-owned-w2",
+        "torch-ours-owned",
+        "torchrun",
+        workers=2,
+        baseline="plain-x2",
+        named_only=True,
     ),
 )
 
@@ -135,6 +148,8 @@ LOCAL_CONFIGS: tuple[str, ...] = (
     "ours-owned-w2",
     "pyro-horovod-w2",
     "ddp-w2",
+    "torch-ours-w2",
+    "torch-ours-owned-w2",
 )
 LOCAL_PLANS: tuple[Plan, ...] = (
     Plan("local10000", steps=40, warmup=5, configs=LOCAL_CONFIGS, main=False),
@@ -180,4 +195,7 @@ TARGETS: tuple[Target, ...] = (
     # The same, with one torch optimizer per parameter as plain Pyro has: the
     # cost of the wrapper alone, without the multi-tensor step's gain.
     Target("W=1 overhead <= 2 %, per-parameter step", "ours-pp-w1", "plain", "overhead", 0.02),
+    # Pyro's torch-native loop, around a torch optimizer.
+    Target("torch-native: no slower than DDP", "torch-ours-w2", "ddp-w2", "speedup", 1.0),
+    Target("torch-native: W=1 overhead <= 3 %", "torch-ours-w1", "torch-w1", "overhead", 0.03),
 )

@@ -31,6 +31,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,14 @@ OPTIMS = (
     "ours-owned",
     "pyro-horovod",
     "ddp",
+    # Pyro's torch-native loop: the ELBO module and one torch Adam, plain
+    # (W=1), through our DistributedOptimizer, and with owned local rows.
+    "torch",
+    "torch-ours",
+    "torch-ours-owned",
 )
+#: The configurations that train the ELBO module with a torch optimizer.
+MODULE_OPTIMS = ("ddp", "torch", "torch-ours", "torch-ours-owned")
 
 Model = Callable[..., object]
 
@@ -416,8 +424,10 @@ def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -
     return Training(step, store_parameters, held_bytes)
 
 
-def ddp_training(workload: Workload) -> Training:
-    """The same model and guide as a torch module, under DDP at W>1.
+def module_training(workload: Workload, optim_name: str) -> Training:
+    """The same model and guide as a torch module, trained with a torch Adam:
+    under DDP at W>1 (``ddp``), plain (``torch``), or through our
+    DistributedOptimizer (``torch-ours``, ``torch-ours-owned``).
 
     What DDP gets is the ELBO module's ``parameters()``: the guide's (and the
     model's, for large1m and the VAE), the same tensors SVI would find in the
@@ -427,18 +437,33 @@ def ddp_training(workload: Workload) -> Training:
     loss evaluation is untimed; it creates AutoNormal's lazy parameters,
     which DDP must see when it is built. DDP copies worker 0's values then.
     """
+    ours = optim_name.startswith("torch-ours")
+    # As for SVI: ours shards the local workloads' subsamples; "owned" keeps
+    # each worker's block of local rows only (cut by the first call).
+    sharded = ours and workload.sharded_plates
+    owned = optim_name == "torch-ours-owned"
+
+    def plates() -> Any:
+        return (
+            pyro_distributed.shard_subsamples(own_local_params=owned) if sharded else nullcontext()
+        )
+
     elbo = Trace_ELBO()(workload.model, workload.guide)
-    elbo(*workload.args)
+    with plates():
+        elbo(*workload.args)
     module: nn.Module = elbo
-    if pyro_distributed.world_size() > 1:
+    optimizer: torch.optim.Optimizer = torch.optim.Adam(elbo.parameters(), lr=LEARNING_RATE)
+    if optim_name == "ddp" and pyro_distributed.world_size() > 1:
         if pyro_distributed.current_engine().name != "torch":
             raise SystemExit("--optim ddp with several workers needs torchrun")
         module = nn.parallel.DistributedDataParallel(elbo)
-    optimizer = torch.optim.Adam(elbo.parameters(), lr=LEARNING_RATE)
+    elif ours:
+        optimizer = pyro_distributed.DistributedOptimizer(optimizer)
 
     def step() -> float:
         optimizer.zero_grad()
-        loss = module(*workload.args)
+        with plates():
+            loss = module(*workload.args)
         loss.backward()
         optimizer.step()
         return float(loss.detach())  # svi.step returns the loss as a float too
@@ -514,7 +539,7 @@ def parse_args() -> argparse.Namespace:
 def prepare(workload_name: str, optim: str, options: dict[str, Any]) -> Training:
     """Join the workers and build this worker's workload and training step, seeded by rank."""
     torch.set_num_threads(1)
-    ddp = optim == "ddp"
+    ddp = optim in MODULE_OPTIMS
     if ddp:
         pyro.settings.set(module_local_params=True)
     start_engine(optim)
@@ -522,7 +547,7 @@ def prepare(workload_name: str, optim: str, options: dict[str, Any]) -> Training
     pyro.clear_param_store()
     pyro.set_rng_seed(SEED + rank)
     workload = build_workload(workload_name, torch.Generator().manual_seed(SEED + rank), ddp)
-    return ddp_training(workload) if ddp else svi_training(workload, optim, options)
+    return module_training(workload, optim) if ddp else svi_training(workload, optim, options)
 
 
 def main() -> None:
@@ -532,8 +557,8 @@ def main() -> None:
     seconds = time_steps(training, args.steps, args.warmup)
     parameters = training.parameters()
     # Local parameters differ across workers by design: compare the rest.
-    local = pyro_distributed.local.registry.local_params()
-    shared = [(name, value) for name, value in parameters if name not in local]
+    registry = pyro_distributed.local.registry
+    shared = [(name, value) for name, value in parameters if registry.local_of(value) is None]
     synced = in_sync(shared)
     cost = fitted_cost(shared) if args.fit_cost else {}
     if pyro_distributed.is_main():

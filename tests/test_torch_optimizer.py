@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pyro
@@ -15,7 +16,7 @@ from pyro.nn import PyroModule
 import pyro_distributed as pd
 from pyro_distributed.optim.torch_optimizer import DistributedTorchOptimizer
 
-from .harness import run_workers
+from .harness import WorkerFailure, run_under_horovodrun, run_workers
 
 
 def _net(seed: int) -> torch.nn.Module:
@@ -277,7 +278,7 @@ def regression_rows() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def elbo_module(steps: int) -> dict[str, torch.Tensor]:
+def elbo_module(steps: int) -> dict[str, Any]:
     pyro.settings.set(module_local_params=True)
     try:
         pd.set_rng_seed(0)
@@ -287,12 +288,26 @@ def elbo_module(steps: int) -> dict[str, torch.Tensor]:
         guide = AutoNormal(model)
         loss_fn = Trace_ELBO(num_particles=8, vectorize_particles=True)(model, guide)
         loss_fn(x_mine, y_mine)  # creates the guide's parameters
-        optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.05))
+        optimizer = pd.DistributedOptimizer(
+            torch.optim.Adam(loss_fn.parameters(), lr=0.05), noise_scale=pd.world_size() > 1
+        )
         for _ in range(steps):
             optimizer.zero_grad()
             loss_fn(x_mine, y_mine).backward()
             optimizer.step()
-        return {name: p.detach().clone() for name, p in loss_fn.named_parameters()}
+        # Evaluation and prediction on held-out rows, split across the workers.
+        generator = torch.Generator().manual_seed(1)
+        x_test = torch.randn(301, 2, generator=generator)
+        y_test = x_test @ torch.tensor([1.5, -2.0]) + 0.5 * torch.randn(301, generator=generator)
+        elbo = Trace_ELBO(num_particles=64, vectorize_particles=True)
+        held_out = pd.evaluate_loss(elbo, model, guide, (x_test, y_test), batch_size=64)
+        samples = pd.Predictive(model, guide=guide, num_samples=400, seed=0)(x_test)
+        return {
+            "params": {name: p.detach().clone() for name, p in loss_fn.named_parameters()},
+            "held_out": held_out,
+            "predicted": None if samples is None else samples["y"].mean(0),
+            "noise": optimizer.noise_scale(len(x_mine)) if pd.world_size() > 1 else None,
+        }
     finally:
         pyro.settings.set(module_local_params=False)
 
@@ -306,15 +321,33 @@ def test_an_elbo_module_trains_in_sync_to_the_posterior_of_all_the_data() -> Non
     log_sd = covariance.diagonal().sqrt().log()
     one = run_workers(elbo_module, 800, world_size=1)[0]
     two = run_workers(elbo_module, 800)
-    assert one.keys() == two[0].keys()
-    for name in one:
-        assert torch.equal(two[0][name], two[1][name]), f"{name} differs between workers"
-    loc = next(name for name in one if "locs" in name)
-    scale = next(name for name in one if "scales" in name)
+    params = one["params"]
+    assert params.keys() == two[0]["params"].keys()
+    for name in params:
+        assert torch.equal(two[0]["params"][name], two[1]["params"][name]), name
+    loc = next(name for name in params if "locs" in name)
+    scale = next(name for name in params if "scales" in name)
     for result in (one, two[0]):
-        assert torch.allclose(result[loc], mean, atol=0.01), (result[loc], mean)
+        assert torch.allclose(result["params"][loc], mean, atol=0.01), result["params"]
         # AutoNormal's scales are stored unconstrained: log sd.
-        assert torch.allclose(result[scale], log_sd, atol=0.1), (result[scale], log_sd)
+        assert torch.allclose(result["params"][scale], log_sd, atol=0.1), result["params"]
+
+
+def test_evaluation_prediction_and_noise_scale_work_on_the_torch_native_path() -> None:
+    one = run_workers(elbo_module, 400, world_size=1)[0]
+    two = run_workers(elbo_module, 400)
+    # The held-out loss is a global figure, the same on every worker, and the
+    # same model fitted on one worker or two gives about the same one.
+    assert two[0]["held_out"] == two[1]["held_out"]
+    assert abs(two[0]["held_out"] / one["held_out"] - 1) < 0.01, (one, two)
+    assert two[1]["predicted"] is None, "Predictive gathers on worker 0"
+    assert two[0]["predicted"].shape == (301,)
+    assert torch.allclose(two[0]["predicted"], one["predicted"], atol=0.05)
+    noise = two[0]["noise"]
+    assert noise is not None and noise.steps == 400
+    # Converged, |G|^2 is buried in noise (it may be negative); tr(Sigma) is not.
+    assert math.isfinite(noise.gradient_sq) and noise.trace_sigma > 0
+    assert noise == two[1]["noise"], "every worker holds the same figures"
 
 
 # -- local parameters owned by their worker, on the torch-native path
@@ -495,3 +528,33 @@ def test_module_checkpoints_refuse_the_wrong_kind_of_call(tmp_path: Any) -> None
             pd.save_checkpoint(str(tmp_path / "b.pt"), pyro_optim, module=net)
     finally:
         pd.shutdown()
+
+
+# -- the same under the real horovodrun
+
+HOROVOD_SCENARIOS: list[tuple[str, Any, tuple[Any, ...]]] = [
+    ("averaged", train_net, (6, True, True)),
+    ("replicated", train_local, (False, "adam", 6)),
+    ("owned", train_local, (True, "adam", 6)),
+]
+
+
+@pytest.mark.horovod
+def test_the_torch_front_end_and_ownership_under_horovodrun() -> None:
+    outcome = run_under_horovodrun(HOROVOD_SCENARIOS)
+    for result in outcome.values():
+        if isinstance(result, WorkerFailure):
+            raise result
+    expected = reference_net(6, 2, scheduler=True)
+    for result in outcome["averaged"]:
+        for name, value in expected.items():
+            assert torch.equal(result[name], value), name
+    for rank, (mine, reference) in enumerate(
+        zip(outcome["owned"], outcome["replicated"], strict=True)
+    ):
+        block = list(range(rank * N_LOCAL // 2, (rank + 1) * N_LOCAL // 2))
+        for name, value in reference["values"].items():
+            if name in mine["local"]:
+                assert torch.equal(mine["local"][name][1], value[block]), name
+            else:
+                assert torch.equal(mine["values"][name], value), name

@@ -141,7 +141,8 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
         self._local = LocalGradients(self.engine)
         self._synchronized: _Synchronized | None = None
         self._stamps = _GradStamps()
-        self._stamps.watch([param for _, param in self.named_parameters()])
+        if self.sync is not None:  # one worker has no average to clip
+            self._stamps.watch([param for _, param in self.named_parameters()])
         self._warned_changed = False
         init_optimizer_hooks(self)
 
