@@ -197,7 +197,8 @@ class DistributedOptimizer(PyroOptim):
         if not isinstance(pyro_optim, PyroOptim):
             raise TypeError(
                 f"pyro_optim must be a pyro.optim.PyroOptim, such as "
-                f"pyro.optim.Adam({{'lr': 0.01}}); got {type(pyro_optim).__name__}"
+                f"pyro.optim.Adam({{'lr': 0.01}}), or a torch.optim.Optimizer; "
+                f"got {type(pyro_optim).__name__}"
             )
         if isinstance(pyro_optim, DistributedOptimizer):
             raise TypeError(
