@@ -36,6 +36,7 @@ __all__ = [
     "gather_rng",
     "header",
     "local_params_of",
+    "mismatches",
     "read",
     "restore_rng",
 ]
@@ -140,6 +141,26 @@ def read(
     raw, where = found
     assert isinstance(raw, bytes)
     return _deserialize(raw), Path(where)
+
+
+def mismatches(
+    current: dict[str, Tensor], saved: dict[str, Tensor], local: dict[str, LocalParam]
+) -> tuple[list[str], list[str]]:
+    """What stops ``saved`` (and the blocks of ``local``) from loading into
+    ``current``: the names that exist now but were not saved, and those whose
+    shape or dtype differs (a local one may hold all its rows or a block)."""
+    unknown = sorted(set(current) - set(saved) - set(local))
+    reshaped = sorted(
+        name
+        for name in set(current) & set(saved)
+        if current[name].shape != saved[name].shape or current[name].dtype != saved[name].dtype
+    )
+    reshaped += sorted(
+        name
+        for name in set(current) & set(local)
+        if current[name].shape[local[name].axis] not in (local[name].size, len(local[name].rows))
+    )
+    return unknown, reshaped
 
 
 def local_params_of(state: dict[str, Any]) -> dict[str, LocalParam]:

@@ -161,18 +161,8 @@ def _check_compatible(
     """Refuse a checkpoint of another module."""
     saved = state["module"]
     current = module.state_dict()
-    missing = sorted(set(current) - set(saved) - set(local))
+    missing, reshaped = files.mismatches(current, saved, local)
     extra = sorted((set(saved) | set(local)) - set(current))
-    reshaped = sorted(
-        name
-        for name in set(current) & set(saved)
-        if current[name].shape != saved[name].shape or current[name].dtype != saved[name].dtype
-    )
-    reshaped += sorted(
-        name
-        for name in set(current) & set(local)
-        if current[name].shape[local[name].axis] not in (local[name].size, len(local[name].rows))
-    )
     details = []
     if missing:
         details.append(f"{missing} exist now but not in the checkpoint")

@@ -128,17 +128,7 @@ def _check_compatible(path: str, state: dict[str, Any], local: dict[str, Any]) -
     """Refuse a checkpoint whose parameters contradict the ones already created."""
     saved = state["param_store"]["params"]
     current = dict(pyro.get_param_store().named_parameters())
-    unknown = sorted(set(current) - set(saved) - set(local))
-    reshaped = sorted(
-        name
-        for name in set(current) & set(saved)
-        if current[name].shape != saved[name].shape or current[name].dtype != saved[name].dtype
-    )
-    reshaped += sorted(
-        name
-        for name in set(current) & set(local)
-        if current[name].shape[local[name].axis] not in (local[name].size, len(local[name].rows))
-    )
+    unknown, reshaped = files.mismatches(current, saved, local)
     if unknown or reshaped:
         details = []
         if unknown:

@@ -56,6 +56,14 @@ class Exchanged:
     #: Whether every averaged gradient is finite (the same on every worker).
     finite: bool
 
+    def release_borrowed(self) -> None:
+        """Drop the gradients of borrowed tensors, after the step: this worker's
+        own loop will not zero them, and a stale average must not count as
+        this worker's gradient next step."""
+        for name, tensor in zip(self.names, self.tensors, strict=True):
+            if name in self.borrowed:
+                tensor.grad = None
+
 
 class GradientSync:
     """Agrees on a step's tensors and averages their gradients across workers.

@@ -38,9 +38,7 @@ def create(
         return
     store = pyro.get_param_store()
     if param.name not in store:
-        if init is None:
-            raise ValueError(f"parameter {param.name!r} does not exist and has no init")
-        value = init() if callable(init) else init
+        value = _initial(param, init, "parameter")
         length_along(value, param)
         store.setdefault(param.name, value, constraint or constraints.real)
     stored = stored_unconstrained(param.name)
@@ -78,15 +76,21 @@ def localize(
         return
     store = pyro.get_param_store()
     if param.name not in store:
-        if init is None:
-            raise ValueError(f"local parameter {param.name!r} does not exist and has no init")
-        value = init() if callable(init) else init
+        value = _initial(param, init, "local parameter")
         store.setdefault(param.name, _block_of(param, value), constraint or constraints.real)
         return
     unconstrained = stored_unconstrained(param.name)
     assert unconstrained is not None
     if length_along(unconstrained, param) != len(param.rows):
         replace_unconstrained(param.name, _block_of(param, unconstrained.detach()).clone())
+
+
+def _initial(param: LocalParam, init: Any, what: str) -> Tensor:
+    """The initial value of a parameter that does not exist yet."""
+    if init is None:
+        raise ValueError(f"{what} {param.name!r} does not exist and has no init")
+    value: Tensor = init() if callable(init) else init
+    return value
 
 
 def _block_of(param: LocalParam, value: Tensor) -> Tensor:

@@ -17,8 +17,7 @@ With one worker it does none of it but the step, and costs nothing.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import pyro
@@ -26,18 +25,17 @@ import torch
 from pyro.optim import PyroOptim
 from torch import Tensor
 
-from .. import runtime
-from ..checks import check_bool, check_choice, check_int, check_number
+from ..checks import check_bool
 from ..engines import Engine
-from ..errors import PyroDistributedError
 from ..exchange.averager import Reduction
 from ..exchange.compression import Compression, compressor
-from ..exchange.sync import Exchanged, GradientSync
 from ..local.gradients import LocalGradients, split_local
 from .consistency import assert_in_sync
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .noise_scale import NoiseScale, NoiseScaleEstimator
+from .options import check_options, make_sync, start_engine
 from .schedulers import step_schedulers
+from .step_guards import refuse_nonfinite
 from .torch_optimizer import DistributedTorchOptimizer
 
 __all__ = ["DistributedOptimizer"]
@@ -160,15 +158,10 @@ class DistributedOptimizer(PyroOptim):
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
-        check_number("bucket_cap_mb", bucket_cap_mb, positive=True)
-        if not isinstance(engine, (str, Engine)):
-            raise TypeError(f"engine must be a name or an Engine, got {type(engine).__name__}")
-        check_choice("nonfinite", nonfinite, ("skip", "raise"))
-        check_int("check_every", check_every, minimum=1, optional=True)
-        check_bool("overlap", overlap)
+        check_options(bucket_cap_mb, nonfinite, check_every, overlap)
         check_bool("multi_tensor", multi_tensor, optional=True)
         reduction = Reduction(compression=compressor(compression))
-        running = runtime.init(engine) if isinstance(engine, str) else engine
+        running = start_engine(engine)
         self._configure(
             pyro_optim,
             running,
@@ -217,20 +210,11 @@ class DistributedOptimizer(PyroOptim):
         self._stepper = GroupedStepper(pyro_optim) if grouped else None
         #: How many times the optimizer was called (saved in checkpoints).
         self.num_steps = 0
-        cap_bytes = max(1, int(bucket_cap_mb * 2**20))
         self._noise = NoiseScaleEstimator.create(noise_scale, engine.world_size)
         #: The gradient exchange; ``None`` with one worker, which has nothing to
         #: exchange. Its read-only properties (``overlaps``, ``overlap_armed``,
         #: ``bucket_count``) show how gradients travel.
-        self.sync: GradientSync | None = None
-        if engine.world_size > 1:
-            self.sync = GradientSync(
-                engine,
-                cap_bytes,
-                reduction,
-                overlap=overlap,
-                measure_norms=self._noise is not None,
-            )
+        self.sync = make_sync(engine, bucket_cap_mb, reduction, overlap, self._noise, "param store")
         self._local = LocalGradients(engine)
 
     @property
@@ -267,8 +251,10 @@ class DistributedOptimizer(PyroOptim):
                 self._noise.observe(*self.sync.squared_norms())
             self._step_wrapped(stepped, *args, **kwargs)
         else:
-            self._refuse_nonfinite(stepped)
-        _release_borrowed(exchanged)
+            store = pyro.get_param_store()
+            named = [(store.param_name(p) or "?", p) for p in stepped]
+            refuse_nonfinite(named, self.num_steps, self.nonfinite)
+        exchanged.release_borrowed()
         if self.check_every and self.num_steps % self.check_every == 0:
             assert_in_sync(self)
 
@@ -277,23 +263,6 @@ class DistributedOptimizer(PyroOptim):
             self._stepper.step(params)
         else:
             self.wrapped(params, *args, **kwargs)  # type: ignore[arg-type]
-
-    def _refuse_nonfinite(self, params: Sequence[Tensor]) -> None:
-        """Skip the step (or raise), identically on every worker."""
-        store = pyro.get_param_store()
-        bad = [
-            store.param_name(param) or "?"
-            for param in params
-            if param.grad is not None and not bool(torch.isfinite(param.grad).all())
-        ]
-        message = (
-            f"the averaged gradient of {', '.join(map(repr, bad[:5]))}"
-            f"{f' and {len(bad) - 5} more' if len(bad) > 5 else ''} is not finite "
-            f"(NaN or Inf on at least one worker) at step {self.num_steps}"
-        )
-        if self.nonfinite == "raise":
-            raise PyroDistributedError(message)
-        warnings.warn(f"{message}; every worker skips this step", RuntimeWarning, stacklevel=3)
 
     def noise_scale(self, batch_size: int | None = None) -> NoiseScale:
         """The gradient noise scale so far (needs ``noise_scale=True``); no communication.
@@ -367,11 +336,3 @@ def _by_store_name(params: Iterable[Tensor]) -> dict[str, Tensor]:
 def _param_store() -> dict[str, Tensor]:
     """Every parameter this worker could step: its param store."""
     return dict(pyro.get_param_store().named_parameters())
-
-
-def _release_borrowed(exchanged: Exchanged) -> None:
-    for name, param in zip(exchanged.names, exchanged.tensors, strict=True):
-        if name in exchanged.borrowed:
-            # This worker's SVI will not zero it; a stale average must not
-            # count as this worker's gradient next step.
-            param.grad = None

@@ -29,24 +29,22 @@ since that change was made to one worker's gradient before averaging.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torch.utils.hooks import RemovableHandle
 
-from .. import runtime
-from ..checks import check_bool, check_choice, check_int, check_number
 from ..engines import Engine
-from ..errors import PyroDistributedError
 from ..exchange.averager import Reduction
 from ..exchange.compression import Compression, compressor
-from ..exchange.sync import Exchanged, GradientSync
-from ..internals import grad_version, init_optimizer_hooks
+from ..exchange.sync import Exchanged
+from ..internals import init_optimizer_hooks
 from ..local.gradients import LocalGradients, split_local
 from .consistency import assert_in_sync
 from .noise_scale import NoiseScale, NoiseScaleEstimator
+from .options import check_options, make_sync, start_engine
+from .step_guards import GradStamps, check_state_fits, refuse_nonfinite
 
 __all__ = ["DistributedTorchOptimizer"]
 
@@ -113,34 +111,22 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 "optimizer is already a DistributedTorchOptimizer; wrap the plain optimizer once"
             )
-        check_number("bucket_cap_mb", bucket_cap_mb, positive=True)
-        if not isinstance(engine, (str, Engine)):
-            raise TypeError(f"engine must be a name or an Engine, got {type(engine).__name__}")
-        check_choice("nonfinite", nonfinite, ("skip", "raise"))
-        check_int("check_every", check_every, minimum=1, optional=True)
-        check_bool("overlap", overlap)
+        check_options(bucket_cap_mb, nonfinite, check_every, overlap)
         reduction = Reduction(compression=compressor(compression))
         self.wrapped = optimizer
-        self.engine = runtime.init(engine) if isinstance(engine, str) else engine
+        self.engine = start_engine(engine)
         self.nonfinite = nonfinite
         self.check_every = check_every
         #: How many times ``step()`` was called (saved in checkpoints).
         self.num_steps = 0
         self._noise = NoiseScaleEstimator.create(noise_scale, self.engine.world_size)
         #: The gradient exchange; ``None`` with one worker.
-        self.sync: GradientSync | None = None
-        if self.engine.world_size > 1:
-            self.sync = GradientSync(
-                self.engine,
-                max(1, int(bucket_cap_mb * 2**20)),
-                reduction,
-                overlap=overlap,
-                measure_norms=self._noise is not None,
-                catalog_name="optimizer",
-            )
+        self.sync = make_sync(
+            self.engine, bucket_cap_mb, reduction, overlap, self._noise, "optimizer"
+        )
         self._local = LocalGradients(self.engine)
         self._synchronized: _Synchronized | None = None
-        self._stamps = _GradStamps()
+        self._stamps = GradStamps()
         if self.sync is not None:  # one worker has no average to clip
             self._stamps.watch([param for _, param in self.named_parameters()])
         self._warned_changed = False
@@ -241,10 +227,8 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
                 self._noise.observe(*self.sync.squared_norms())
             self.wrapped.step()
         else:
-            self._refuse_nonfinite()
-        for name, param in zip(exchanged.names, exchanged.tensors, strict=True):
-            if name in exchanged.borrowed:
-                param.grad = None
+            refuse_nonfinite(self.named_parameters(), self.num_steps, self.nonfinite)
+        exchanged.release_borrowed()
         self._stamps.watch(exchanged.tensors)
         if self.check_every and self.num_steps % self.check_every == 0:
             assert_in_sync(self)
@@ -258,7 +242,7 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
         exchanged = self.sync.exchange(replicated, lambda: replicated)
         finite = exchanged.finite
         if local:
-            _check_state_fits(self.wrapped, local)
+            check_state_fits(self.wrapped, local)
             finite = self._local.prepare(local) and finite
         return exchanged, finite
 
@@ -276,21 +260,6 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
                 UserWarning,
                 stacklevel=3,
             )
-
-    def _refuse_nonfinite(self) -> None:
-        bad = [
-            name
-            for name, param in self.named_parameters()
-            if param.grad is not None and not bool(torch.isfinite(param.grad).all())
-        ]
-        message = (
-            f"the averaged gradient of {', '.join(map(repr, bad[:5]))}"
-            f"{f' and {len(bad) - 5} more' if len(bad) > 5 else ''} is not finite "
-            f"(NaN or Inf on at least one worker) at step {self.num_steps}"
-        )
-        if self.nonfinite == "raise":
-            raise PyroDistributedError(message)
-        warnings.warn(f"{message}; every worker skips this step", RuntimeWarning, stacklevel=3)
 
     def noise_scale(self, batch_size: int | None = None) -> NoiseScale:
         """The gradient noise scale so far (needs ``noise_scale=True``); no communication."""
@@ -311,52 +280,4 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
         return replicated
 
 
-def _check_state_fits(optimizer: torch.optim.Optimizer, local: dict[str, Tensor]) -> None:
-    """Refuse optimizer state that was made for all the rows of a local parameter.
-
-    Cutting a local parameter to its block keeps the parameter object, so an
-    optimizer built before the cut is fine, unless it already stepped it.
-    """
-    for name, param in local.items():
-        for key, value in optimizer.state.get(param, {}).items():
-            if torch.is_tensor(value) and value.dim() and value.shape != param.shape:
-                raise PyroDistributedError(
-                    f"the optimizer's state {key!r} of local parameter {name!r} has shape "
-                    f"{list(value.shape)}, not the shape {list(param.shape)} of this worker's "
-                    f"block of rows: the optimizer stepped the parameter before "
-                    f"shard_subsamples(own_local_params=True) cut it. Run the warm-up call "
-                    f"under shard_subsamples before the first step"
-                )
-
-
 _Synchronized = tuple[Exchanged, bool]
-
-
-class _GradStamps:
-    """Each parameter's gradient as its last backward pass left it, to notice
-    changes made to it afterwards (by clipping, say)."""
-
-    def __init__(self) -> None:
-        self._stamps: dict[int, tuple[Tensor, int]] = {}
-        self._hooks: dict[int, RemovableHandle] = {}
-
-    def watch(self, params: Sequence[Tensor]) -> None:
-        for param in params:
-            if id(param) not in self._hooks:
-                self._hooks[id(param)] = param.register_post_accumulate_grad_hook(self._stamp)  # type: ignore[no-untyped-call]
-
-    def _stamp(self, param: Tensor) -> None:
-        if param.grad is not None:
-            self._stamps[id(param)] = (param.grad, grad_version(param.grad))
-
-    def changed(self, named: Iterator[tuple[str, Tensor]]) -> str | None:
-        """The name of the first watched parameter whose gradient changed since its
-        last backward pass, if any."""
-        for name, param in named:
-            stamp = self._stamps.pop(id(param), None)
-            grad = param.grad
-            if stamp is None or grad is None:
-                continue
-            if grad is not stamp[0] or grad_version(grad) != stamp[1]:
-                return repr(name)
-        return None

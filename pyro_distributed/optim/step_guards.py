@@ -1,0 +1,97 @@
+"""Checks made around an optimizer step, shared by both front ends.
+
+* :func:`refuse_nonfinite`: a NaN or Inf in an averaged gradient (which every
+  worker sees alike) makes every worker skip the step with a warning, or
+  raise, naming the parameters.
+* :class:`GradStamps`: notices a gradient changed between backward and the
+  step (a clip, a rescale), which acted on one worker's gradient before
+  averaging.
+* :func:`check_state_fits`: refuses optimizer state made for all the rows of
+  a parameter that is now cut to this worker's block.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+
+from ..errors import PyroDistributedError
+from ..internals import grad_version
+
+__all__ = ["GradStamps", "check_state_fits", "refuse_nonfinite"]
+
+
+def refuse_nonfinite(
+    named: Iterable[tuple[str, Tensor]],
+    step: int,
+    mode: Literal["skip", "raise"],
+    stacklevel: int = 4,
+) -> None:
+    """Skip the step with a :class:`RuntimeWarning` (or raise), naming the
+    parameters whose gradient is not finite; the same on every worker."""
+    bad = [
+        name
+        for name, param in named
+        if param.grad is not None and not bool(torch.isfinite(param.grad).all())
+    ]
+    message = (
+        f"the averaged gradient of {', '.join(map(repr, bad[:5]))}"
+        f"{f' and {len(bad) - 5} more' if len(bad) > 5 else ''} is not finite "
+        f"(NaN or Inf on at least one worker) at step {step}"
+    )
+    if mode == "raise":
+        raise PyroDistributedError(message)
+    warnings.warn(f"{message}; every worker skips this step", RuntimeWarning, stacklevel=stacklevel)
+
+
+def check_state_fits(optimizer: torch.optim.Optimizer, local: dict[str, Tensor]) -> None:
+    """Refuse optimizer state that was made for all the rows of a local parameter.
+
+    Cutting a local parameter to its block keeps the parameter object, so an
+    optimizer built before the cut is fine, unless it already stepped it.
+    """
+    for name, param in local.items():
+        for key, value in optimizer.state.get(param, {}).items():
+            if torch.is_tensor(value) and value.dim() and value.shape != param.shape:
+                raise PyroDistributedError(
+                    f"the optimizer's state {key!r} of local parameter {name!r} has shape "
+                    f"{list(value.shape)}, not the shape {list(param.shape)} of this worker's "
+                    f"block of rows: the optimizer stepped the parameter before "
+                    f"shard_subsamples(own_local_params=True) cut it. Run the warm-up call "
+                    f"under shard_subsamples before the first step"
+                )
+
+
+class GradStamps:
+    """Each parameter's gradient as its last backward pass left it, to notice
+    changes made to it afterwards (by clipping, say)."""
+
+    def __init__(self) -> None:
+        self._stamps: dict[int, tuple[Tensor, int]] = {}
+        self._hooks: dict[int, RemovableHandle] = {}
+
+    def watch(self, params: Sequence[Tensor]) -> None:
+        for param in params:
+            if id(param) not in self._hooks:
+                self._hooks[id(param)] = param.register_post_accumulate_grad_hook(self._stamp)  # type: ignore[no-untyped-call]
+
+    def _stamp(self, param: Tensor) -> None:
+        if param.grad is not None:
+            self._stamps[id(param)] = (param.grad, grad_version(param.grad))
+
+    def changed(self, named: Iterator[tuple[str, Tensor]]) -> str | None:
+        """The name of the first watched parameter whose gradient changed since its
+        last backward pass, if any."""
+        for name, param in named:
+            stamp = self._stamps.pop(id(param), None)
+            grad = param.grad
+            if stamp is None or grad is None:
+                continue
+            if grad is not stamp[0] or grad_version(grad) != stamp[1]:
+                return repr(name)
+        return None
