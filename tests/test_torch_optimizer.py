@@ -558,3 +558,48 @@ def test_the_torch_front_end_and_ownership_under_horovodrun() -> None:
                 assert torch.equal(mine["local"][name][1], value[block]), name
             else:
                 assert torch.equal(mine["values"][name], value), name
+
+
+def built_before_the_cut(step_first: bool) -> dict[str, Any]:
+    """The optimizer built before the call that cuts the local rows."""
+    pyro.settings.set(module_local_params=True)
+    try:
+        pd.set_rng_seed(0)
+        x = torch.randn(N_LOCAL, D_LOCAL, generator=torch.Generator().manual_seed(2)) + 1.0
+        model = LocalModel()
+        guide = AutoNormal(model, create_plates=_local_plates)
+        loss_fn = Trace_ELBO()(model, guide)
+        with pd.shard_subsamples(by_block=True):
+            loss_fn(x)  # all N rows still
+        optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.05))
+        if step_first:
+            with pd.shard_subsamples(by_block=True):
+                loss_fn(x).backward()
+            optimizer.step()  # Adam's moments now hold all N rows
+        try:
+            for _ in range(3):
+                optimizer.zero_grad()
+                with pd.shard_subsamples(own_local_params=True):
+                    loss_fn(x).backward()
+                optimizer.step()
+        except pd.PyroDistributedError as exc:
+            return {"error": str(exc)}
+        return {"rows": pd.local_rows("AutoNormal.locs.z")}
+    finally:
+        pyro.settings.set(module_local_params=False)
+
+
+def test_an_optimizer_built_before_the_rows_are_cut_keeps_working() -> None:
+    results = run_workers(built_before_the_cut, False)
+    for rank, result in enumerate(results):
+        indices, rows = result["rows"]
+        assert indices.tolist() == list(range(rank * N_LOCAL // 2, (rank + 1) * N_LOCAL // 2))
+        assert rows.shape == (len(indices),)
+
+
+def test_an_optimizer_that_stepped_all_the_rows_is_refused_by_name() -> None:
+    results = run_workers(built_before_the_cut, True)
+    for result in results:
+        message = result["error"]
+        assert "local parameter 'AutoNormal." in message and "of this worker's block" in message
+        assert "stepped the parameter before" in message
