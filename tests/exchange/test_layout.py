@@ -9,7 +9,7 @@ import pyro_distributed as pd
 from pyro_distributed.exchange.averager import GradientAverager, Reduction
 from pyro_distributed.exchange.layout import plan_buckets
 
-from .harness import run_workers
+from ..harness import run_workers
 
 
 def test_buckets_group_by_dtype_in_order_of_first_appearance() -> None:

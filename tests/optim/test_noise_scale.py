@@ -32,7 +32,7 @@ import pyro_distributed as pd
 from pyro_distributed.exchange.averager import GradientAverager, Reduction
 from pyro_distributed.optim.noise_scale import NoiseScale
 
-from .harness import CountingEngine, run_workers
+from ..harness import CountingEngine, run_workers
 
 N = 1000  # data points
 DIM = 32

@@ -20,8 +20,8 @@ from torch.distributions import constraints
 
 import pyro_distributed as pd
 
-from .harness import CountingEngine, run_workers
-from .models import param_values, regression_data
+from ..harness import CountingEngine, run_workers
+from ..models import param_values, regression_data
 
 WEIGHTS = 24
 DIM = 16

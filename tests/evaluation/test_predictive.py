@@ -18,7 +18,7 @@ from pyro.infer.autoguide import AutoNormal
 import pyro_distributed as pd
 from pyro_distributed.gather import gather_pieces
 
-from .harness import CountingEngine, run_workers
+from ..harness import CountingEngine, run_workers
 
 N = 7  # data points: divides by neither 2 nor 3
 SAMPLES = 10  # divides by neither 3 nor 4

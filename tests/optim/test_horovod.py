@@ -22,20 +22,21 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from .harness import WorkerFailure, run_under_horovodrun, run_workers
-from .models import bayesian_regression, param_values, regression_data
-from .test_evaluate import losses
-from .test_faults import drift, nan_on_worker_one, uneven_epoch
+from ..evaluation.test_loss import losses
+from ..evaluation.test_predictive import by_data, by_samples
+from ..harness import WorkerFailure, run_under_horovodrun, run_workers
+from ..local.test_ownership import gathered_and_local_rows
+from ..local.test_ownership import train as train_locally
+from ..models import bayesian_regression, param_values, regression_data
+from ..test_faults import nan_on_worker_one, uneven_epoch
+from ..test_runtime import _flags
+from ..test_semantics import clip_cases, train_each_elbo, train_each_scheduler
+from .test_consistency import drift
 from .test_noise_scale import measured_against_exact
-from .test_ownership import gathered_and_local_rows
-from .test_ownership import train as train_locally
-from .test_predictive import by_data, by_samples
-from .test_runtime import _flags
-from .test_semantics import clip_cases, train_each_elbo, train_each_scheduler
 
 pytestmark = pytest.mark.horovod
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
