@@ -30,9 +30,10 @@ from ..local.test_ownership import train as train_locally
 from ..models import bayesian_regression, param_values, regression_data
 from ..test_faults import nan_on_worker_one, uneven_epoch
 from ..test_runtime import _flags
-from ..test_semantics import clip_cases, train_each_elbo, train_each_scheduler
+from ..test_semantics import clip_cases, train_each_elbo
 from .test_consistency import drift
 from .test_noise_scale import measured_against_exact
+from .test_schedulers import train_each_scheduler
 
 pytestmark = pytest.mark.horovod
 
