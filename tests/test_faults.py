@@ -246,18 +246,6 @@ def test_uneven_shards_end_the_epoch_together() -> None:
 # --- bad input table -------------------------------------------------------------------------
 
 
-def non_cpu_tensor_on_gloo() -> str:
-    with pytest.raises(pd.PyroDistributedError) as info:
-        pd.current_engine().allreduce_([torch.zeros(2, device="meta")])
-    return str(info.value)
-
-
-def test_non_cpu_tensors_on_a_gloo_only_group_are_refused() -> None:
-    # No GPU here: a "meta" tensor takes the same path a CUDA tensor would.
-    message = run_workers(non_cpu_tensor_on_gloo)[0]
-    assert "a meta tensor cannot travel on this process group (backend 'gloo'" in message
-
-
 def test_engine_requested_but_not_installed_says_how_to_install() -> None:
     code = (
         "import sys; sys.modules['horovod'] = None\n"  # as if Horovod were not installed

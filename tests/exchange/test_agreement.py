@@ -16,6 +16,7 @@ from pyro.infer import SVI, Trace_ELBO
 import pyro_distributed as pd
 from pyro_distributed.exchange.agreement import (
     DIGEST_FLOATS,
+    MAX_SUMMED_WORKERS,
     ParameterAgreement,
     digest_floats,
     digests_equal,
@@ -92,17 +93,27 @@ def test_dtype_mismatch_names_param_and_dtypes() -> None:
 # --- ParameterAgreement itself, with plain tensors ---------------------------------------------
 
 
-def test_summed_digest_floats_are_equal_only_when_every_worker_sent_the_same_digest() -> None:
-    same = [digest_floats(0x0123456789ABCDEF)] * 3
-    assert len(same[0]) == DIGEST_FLOATS
-    assert digests_equal([sum(column) for column in zip(*same, strict=True)], 3)
-    # One byte differs on one worker; the sums of bytes can still match another set.
-    mixed = [digest_floats(0x0123456789ABCDEF), digest_floats(0x0123456789ABCDEE)] * 2
+def test_summed_digests_show_any_disagreement() -> None:
+    def summed(*digests: int) -> list[float]:
+        columns = zip(*(digest_floats(d) for d in digests), strict=True)
+        return [sum(column) for column in columns]
+
+    same = 0x1234_5678_9ABC_DEF0
+    assert digests_equal(summed(same, same, same), 3)
+    # Bytes 1 and 3 against 2 and 2: equal sums, so only the squares tell.
+    assert not digests_equal(summed(0x01, 0x03), 2)
+    assert not digests_equal(summed(same, same, same ^ (1 << 61)), 3)
+
+
+def test_digest_floats_stay_exact_in_a_float32_sum_up_to_the_documented_worker_count() -> None:
+    digest = 2**64 - 1  # every byte 0xFF: the largest squares any byte can give
+    floats = digest_floats(digest)
+    assert len(floats) == DIGEST_FLOATS
+    sums = (torch.tensor(floats, dtype=torch.float32) * MAX_SUMMED_WORKERS).tolist()
+    assert digests_equal(sums, MAX_SUMMED_WORKERS)
+    # Two pairs of workers that disagree on the lowest byte only.
+    mixed = [digest_floats(digest), digest_floats(digest - 1)] * 2
     assert not digests_equal([sum(column) for column in zip(*mixed, strict=True)], 4)
-    # 1 + 3 == 2 + 2 byte-wise, but the squares tell them apart.
-    pairs = [digest_floats(1), digest_floats(3)]
-    assert not digests_equal([sum(c) for c in zip(*pairs, strict=True)], 2)
-    assert digests_equal([sum(c) for c in zip(*[digest_floats(2)] * 2, strict=True)], 2)
 
 
 def agreement_steps() -> dict[str, object]:
