@@ -14,7 +14,10 @@ from ..harness import run_workers
 
 
 @pytest.fixture(autouse=True)
-def _no_engine_left_running():
+def _no_engine_running():
+    """Each test starts from no engine (another module may have left a local one) and
+    leaves none behind."""
+    pd.shutdown()
     yield
     pd.shutdown()
 
