@@ -210,14 +210,14 @@ class HorovodSuites:
 
     def __init__(self, suites: dict[str, list[tuple[str, Callable[..., Any], tuple[Any, ...]]]]):
         self.suites = suites
-        self._results: dict[tuple[str, int], dict[str, Any]] = {}
+        self.launched: dict[tuple[str, int], dict[str, Any]] = {}
 
     def outcome(self, name: str, world_size: int = 2, suite: str = "main") -> list[Any]:
         """Scenario ``name``'s results by rank; raises its WorkerFailure if it failed."""
         key = (suite, world_size)
-        if key not in self._results:
-            self._results[key] = run_under_horovodrun(self.suites[suite], world_size=world_size)
-        result = self._results[key][name]
+        if key not in self.launched:
+            self.launched[key] = run_under_horovodrun(self.suites[suite], world_size=world_size)
+        result = self.launched[key][name]
         if isinstance(result, WorkerFailure):
             raise result
         assert len(result) == world_size
