@@ -204,6 +204,26 @@ def run_under_horovodrun(
     return outcome
 
 
+class HorovodSuites:
+    """Named lists of scenarios, each run once per world size in one ``horovodrun``
+    launch (starting Horovod costs seconds) and shared by the tests that read it."""
+
+    def __init__(self, suites: dict[str, list[tuple[str, Callable[..., Any], tuple[Any, ...]]]]):
+        self.suites = suites
+        self.launched: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def outcome(self, name: str, world_size: int = 2, suite: str = "main") -> list[Any]:
+        """Scenario ``name``'s results by rank; raises its WorkerFailure if it failed."""
+        key = (suite, world_size)
+        if key not in self.launched:
+            self.launched[key] = run_under_horovodrun(self.suites[suite], world_size=world_size)
+        result = self.launched[key][name]
+        if isinstance(result, WorkerFailure):
+            raise result
+        assert len(result) == world_size
+        return result
+
+
 class CountingEngine(Engine):
     """Forwards every collective to a real engine and records what it sent."""
 

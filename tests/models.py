@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyro
 import pyro.distributions as dist
 import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from torch.distributions import constraints
+
+import pyro_distributed as pd
 
 TOTAL = 1000  # the size of the full data set the plates pretend to subsample
 
@@ -56,3 +60,14 @@ def train_bayesian_regression(optim: pyro.optim.PyroOptim, data_seed: int, steps
     for _ in range(steps):
         svi.step(x, y)
     return svi
+
+
+def train_steps(optim: pd.DistributedOptimizer, steps: int, on_step: Any = None) -> None:
+    """``steps`` steps of ``optim`` on parameter ``p``, whose gradient differs by worker."""
+    p = pyro.param("p", torch.ones(3)).unconstrained()
+    for step in range(1, steps + 1):
+        if on_step is not None:
+            on_step(step)
+        (p * (pd.rank() + 1.0)).sum().backward()
+        optim([p])
+        p.grad = None

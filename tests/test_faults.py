@@ -23,21 +23,11 @@ import torch
 import pyro_distributed as pd
 
 from .harness import WorkerFailure, free_port, run_workers
-from .models import param_values
+from .models import param_values, train_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 EXAMPLE = ROOT / "examples" / "bayesian_regression.py"
-
-
-def _train_steps(optim: pd.DistributedOptimizer, steps: int, on_step: Any = None) -> None:
-    p = pyro.param("p", torch.ones(3)).unconstrained()
-    for step in range(1, steps + 1):
-        if on_step is not None:
-            on_step(step)
-        (p * (pd.rank() + 1.0)).sum().backward()
-        optim([p])
-        p.grad = None
 
 
 # --- a worker dies, raises or hangs ----------------------------------------------------------
@@ -45,7 +35,7 @@ def _train_steps(optim: pd.DistributedOptimizer, steps: int, on_step: Any = None
 
 def die_at_step_five(how: str, checkpoint: str) -> dict[str, Any]:
     optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
-    _train_steps(optim, 3)
+    train_steps(optim, 3)
     pd.save_checkpoint(checkpoint, optim)
 
     def fault(step: int) -> None:
@@ -58,7 +48,7 @@ def die_at_step_five(how: str, checkpoint: str) -> dict[str, Any]:
 
     start = time.monotonic()
     try:
-        _train_steps(optim, 10, fault)
+        train_steps(optim, 10, fault)
     except pd.PyroDistributedError as err:
         return {"message": str(err), "elapsed": time.monotonic() - start}
     return {"message": "no error", "elapsed": time.monotonic() - start}
@@ -253,81 +243,7 @@ def test_uneven_shards_end_the_epoch_together() -> None:
     assert torch.equal(first["params"]["p"], second["params"]["p"])
 
 
-# --- drift detection -------------------------------------------------------------------------
-
-
-def drift(what: str) -> str:
-    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}), check_every=3)
-    _train_steps(optim, 2)
-    pd.assert_in_sync(optim)  # in sync so far
-    p = pyro.param("p").unconstrained()
-    if pd.rank() == 1:
-        with torch.no_grad():
-            if what == "param":
-                p.add_(1e-6)
-            else:
-                next(iter(optim.optim_objs.values())).state[p]["exp_avg"].add_(1.0)
-    try:
-        _train_steps(optim, 1)  # the third step runs the periodic check
-    except pd.PyroDistributedError as err:
-        return str(err)
-    return "no error"
-
-
-@pytest.mark.parametrize(
-    ("what", "expected"), [("param", "parameter 'p'"), ("state", "optimizer state of 'p'")]
-)
-def test_drift_is_caught_by_check_every_and_names_param_and_workers(
-    what: str, expected: str
-) -> None:
-    messages = run_workers(drift, what)
-    assert messages[0] == messages[1]
-    assert f"workers have drifted apart: {expected} differs" in messages[0]
-    assert "worker 0: version" in messages[0] and "worker 1: version" in messages[0]
-
-
 # --- bad input table -------------------------------------------------------------------------
-
-
-def test_unknown_and_invalid_optimizer_arguments() -> None:
-    adam = pyro.optim.Adam({"lr": 0.1})
-    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):
-        pd.DistributedOptimizer(adam, engine="local", bucket_size=1)  # type: ignore[call-arg]
-    with pytest.raises(ValueError, match="nonfinite must be 'skip' or 'raise'"):
-        pd.DistributedOptimizer(adam, engine="local", nonfinite="ignore")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="check_every must be a positive int"):
-        pd.DistributedOptimizer(adam, engine="local", check_every=0)
-    with pytest.raises(TypeError, match="engine must be a name or an Engine"):
-        pd.DistributedOptimizer(adam, engine=2)  # type: ignore[arg-type]
-    pd.shutdown()
-
-
-def dtype_mismatch() -> str:
-    dtype = torch.float32 if pd.rank() == 0 else torch.float64
-    p = pyro.param("p", torch.zeros(2, dtype=dtype)).unconstrained()
-    p.sum().backward()
-    with pytest.raises(pd.PyroDistributedError) as info:
-        pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))([p])
-    return str(info.value)
-
-
-def test_dtype_mismatch_names_param_and_dtypes() -> None:
-    message = run_workers(dtype_mismatch)[0]
-    assert "'p' differs in shape or dtype" in message
-    assert "worker 0: shape [2], torch.float32" in message
-    assert "worker 1: shape [2], torch.float64" in message
-
-
-def non_cpu_tensor_on_gloo() -> str:
-    with pytest.raises(pd.PyroDistributedError) as info:
-        pd.current_engine().allreduce_([torch.zeros(2, device="meta")])
-    return str(info.value)
-
-
-def test_non_cpu_tensors_on_a_gloo_only_group_are_refused() -> None:
-    # No GPU here: a "meta" tensor takes the same path a CUDA tensor would.
-    message = run_workers(non_cpu_tensor_on_gloo)[0]
-    assert "a meta tensor cannot travel on this process group (backend 'gloo'" in message
 
 
 def test_engine_requested_but_not_installed_says_how_to_install() -> None:

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import pyro_distributed as pd
-from pyro_distributed.engines import detect_engine
 
 from .harness import run_workers
 
@@ -81,14 +80,6 @@ def test_timeout_of_the_wrong_type_is_a_type_error() -> None:
         pd.init("local", timeout="60")  # type: ignore[arg-type]
 
 
-def test_torch_engine_without_torchrun_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    assert detect_engine() == "local"
-    with pytest.raises(pd.PyroDistributedError, match="torchrun --nproc-per-node"):
-        pd.init("torch")
-
-
 def _world_view() -> dict[str, object]:
     engine = pd.init("auto")
     pd.barrier()
@@ -113,23 +104,6 @@ def test_two_workers_see_their_ranks_and_the_means() -> None:
         mean_tensor = view["mean_tensor"]
         assert isinstance(mean_tensor, torch.Tensor) and mean_tensor.dtype == torch.float64
         assert torch.equal(mean_tensor, torch.full((2,), 0.5, dtype=torch.float64))
-
-
-def _reuse_user_group() -> tuple[str, int, bool]:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
-    engine = pd.init("auto")
-    mean = pd.all_mean(float(pd.rank()))
-    pd.shutdown()
-    still_there = dist.is_initialized()  # the user's group is the user's to destroy
-    dist.destroy_process_group()
-    return engine.name, int(mean * 2), still_there
-
-
-def test_torch_engine_reuses_a_group_the_user_initialised() -> None:
-    for name, doubled_mean, still_there in run_workers(_reuse_user_group, engine=""):
-        assert (name, doubled_mean, still_there) == ("torch", 1, True)
 
 
 def _flags() -> dict[str, bool]:

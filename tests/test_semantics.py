@@ -8,7 +8,6 @@ process's gradient, and any optimizer must follow the same trajectory.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -167,80 +166,6 @@ def train_each_elbo(single: bool) -> dict[str, dict[str, torch.Tensor]]:
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 def test_every_elbo_matches_one_process() -> None:
     compare_with_single_process(train_each_elbo)
-
-
-# --- learning-rate schedulers ---------------------------------------------------------------
-
-SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
-    "StepLR": ("StepLR", {"step_size": 2, "gamma": 0.5}),
-    "MultiStepLR": ("MultiStepLR", {"milestones": [2, 5], "gamma": 0.5}),
-    "ExponentialLR": ("ExponentialLR", {"gamma": 0.8}),
-    "ConstantLR": ("ConstantLR", {"factor": 0.5, "total_iters": 3}),
-    "LinearLR": ("LinearLR", {"start_factor": 0.2, "total_iters": 4}),
-    "PolynomialLR": ("PolynomialLR", {"total_iters": 6, "power": 2.0}),
-    "CosineAnnealingLR": ("CosineAnnealingLR", {"T_max": 6}),
-    "CosineAnnealingWarmRestarts": ("CosineAnnealingWarmRestarts", {"T_0": 3}),
-    "CyclicLR": ("CyclicLR", {"base_lr": 1e-5, "max_lr": 1e-4, "step_size_up": 2}),
-    "OneCycleLR": ("OneCycleLR", {"max_lr": 1e-4, "total_steps": STEPS + 1}),
-    "LambdaLR": ("LambdaLR", {"lr_lambda": "halving"}),
-    "MultiplicativeLR": ("MultiplicativeLR", {"lr_lambda": "halving"}),
-    "ReduceLROnPlateau": ("ReduceLROnPlateau", {"patience": 0, "factor": 0.5, "threshold": 0.5}),
-}
-
-
-def _halving(epoch: int) -> float:
-    return 0.5 ** min(epoch, 3) if epoch else 1.0
-
-
-def train_each_scheduler(single: bool) -> dict[str, dict[str, torch.Tensor]]:
-    x, y = batch_for(my_ranks(single))
-    results = {}
-    for case, (name, scheduler_args) in SCHEDULERS.items():
-        pyro.clear_param_store()
-        kwargs = {k: _halving if v == "halving" else v for k, v in scheduler_args.items()}
-        scheduler = getattr(pyro.optim, name)(
-            {"optimizer": torch.optim.SGD, "optim_args": {"lr": 1e-4, "momentum": 0.5}, **kwargs}
-        )
-        optim = pd.DistributedOptimizer(scheduler)
-        svi = SVI(point_regression, empty_guide, optim, Trace_ELBO())
-        lrs = []
-        for _ in range(STEPS):
-            loss = svi.step(x, y)
-            optim.step(loss) if name == "ReduceLROnPlateau" else optim.step()
-            (lr,) = {o.optimizer.param_groups[0]["lr"] for o in optim.optim_objs.values()}
-            lrs.append(lr)
-        results[case] = {**param_values(), "lr": torch.tensor(lrs, dtype=torch.float64)}
-    return results
-
-
-@functools.cache
-def scheduler_runs() -> Any:
-    return compare_with_single_process(train_each_scheduler)
-
-
-def test_every_scheduler_matches_one_process() -> None:
-    single = scheduler_runs()
-    for case, values in single.items():
-        assert len(set(values["lr"].tolist())) > 1, f"{case}: the learning rate never changed"
-
-
-def test_reduce_lr_on_plateau_averages_the_loss_it_is_given() -> None:
-    # Each worker passes its own local loss; the single process passes the mean loss.
-    single = scheduler_runs()
-    assert single["ReduceLROnPlateau"]["lr"][-1] < 1e-4
-
-
-def stepping_a_plain_optimizer() -> str:
-    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
-    with pytest.raises(TypeError) as info:
-        optim.step()
-    return str(info.value)
-
-
-def test_step_on_a_plain_optimizer_says_only_schedulers_step() -> None:
-    (message,) = run_workers(stepping_a_plain_optimizer, world_size=1)
-    assert "the wrapped PyroOptim has no step()" in message
-    assert "only learning-rate schedulers" in message
 
 
 # --- multi-optimizers -----------------------------------------------------------------------

@@ -20,8 +20,8 @@ from pyro.infer import SVI, Trace_ELBO
 import pyro_distributed as pd
 import pyro_distributed.local.blocks
 
-from .harness import run_workers
-from .test_checkpoint import assert_same_state
+from ..harness import run_workers
+from ..test_checkpoint import assert_same_state
 from .test_ownership import D, N, data, guide, model
 
 LOCAL = ("z_loc", "z_scale")
@@ -86,11 +86,20 @@ def saved_then_state(path: str) -> dict[str, Any]:
 
 def loaded_state(path: str, steps_after: int) -> dict[str, Any]:
     svi, optim, x = _run()
+    # Loaded optimizer state is handed to optim.set_state, and waits in Pyro's
+    # optimizer until each parameter's next step; record what was handed over
+    # (a copy: Adam then updates those tensors in place).
+    handed: dict[str, Any] = {}
+    set_state = optim.set_state
+
+    def recording_set_state(state: dict[str, Any]) -> None:
+        handed.update(copy.deepcopy(state))
+        set_state(state)
+
+    optim.set_state = recording_set_state  # type: ignore[method-assign]
     pd.load_checkpoint(path, optim)
     snapshot = _snapshot(optim)
-    # Loaded optimizer state waits in Pyro's optimizer until each parameter's
-    # next step; read it there (a copy: Adam then updates those tensors in place).
-    snapshot["optim"] = copy.deepcopy(optim.wrapped._state_waiting_to_be_consumed)
+    snapshot["optim"] = handed
     _train(svi, x, steps_after)  # and training goes on from there
     return snapshot
 

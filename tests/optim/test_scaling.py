@@ -20,7 +20,7 @@ from pyro.infer import SVI, Trace_ELBO
 import pyro_distributed as pd
 from pyro_distributed.optim.scaling import DEFAULT_WORKERS
 
-from .harness import run_workers
+from ..harness import run_workers
 from .test_noise_scale import BATCH, N, dataset, model, normal_guide
 
 

@@ -16,10 +16,10 @@ from pyro.nn import PyroModule
 import pyro_distributed as pd
 from pyro_distributed.optim.torch_optimizer import DistributedTorchOptimizer
 
-from .harness import WorkerFailure, run_under_horovodrun, run_workers
+from ..harness import WorkerFailure, run_under_horovodrun, run_workers
 
 
-def _net(seed: int) -> torch.nn.Module:
+def small_net(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
 
@@ -37,7 +37,7 @@ def _loss(net: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tor
 
 def train_net(steps: int, overlap: bool, scheduler: bool) -> dict[str, torch.Tensor]:
     """Every worker trains on its own batches."""
-    net = _net(seed=0)
+    net = small_net(seed=0)
     optimizer = pd.DistributedOptimizer(
         torch.optim.Adam(net.parameters(), lr=0.05), overlap=overlap
     )
@@ -56,7 +56,7 @@ def train_net(steps: int, overlap: bool, scheduler: bool) -> dict[str, torch.Ten
 def reference_net(steps: int, world_size: int, scheduler: bool) -> dict[str, torch.Tensor]:
     """One process that averages the workers' gradients itself, as the wire does:
     the sum over workers, then times 1/W."""
-    net = _net(seed=0)
+    net = small_net(seed=0)
     optimizer = torch.optim.Adam(net.parameters(), lr=0.05)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     for step in range(steps):
@@ -90,7 +90,7 @@ def test_averaged_steps_are_bitwise_one_process_averaging_the_same_gradients(
 
 
 def first_step(lr: float) -> list[torch.Tensor]:
-    net = _net(seed=pd.rank())  # every worker starts elsewhere
+    net = small_net(seed=pd.rank())  # every worker starts elsewhere
     optimizer = pd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=lr))
     _loss(net, _batch(pd.rank(), 0)).backward()
     optimizer.step()
@@ -99,7 +99,7 @@ def first_step(lr: float) -> list[torch.Tensor]:
 
 def test_the_first_step_gives_every_worker_worker_zeros_values() -> None:
     results = run_workers(first_step, 0.0)
-    for mine, worker_zeros in zip(results[1], _net(seed=0).parameters(), strict=True):
+    for mine, worker_zeros in zip(results[1], small_net(seed=0).parameters(), strict=True):
         assert torch.equal(mine, worker_zeros.detach())
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
@@ -108,7 +108,7 @@ def test_the_first_step_gives_every_worker_worker_zeros_values() -> None:
 def test_one_worker_steps_exactly_as_the_plain_optimizer() -> None:
     pd.init("local")
     try:
-        ours, plain = _net(0), _net(0)
+        ours, plain = small_net(0), small_net(0)
         wrapped = pd.DistributedOptimizer(torch.optim.Adam(ours.parameters(), lr=0.1))
         reference = torch.optim.Adam(plain.parameters(), lr=0.1)
         assert isinstance(wrapped, torch.optim.Optimizer)
@@ -127,7 +127,7 @@ def test_one_worker_steps_exactly_as_the_plain_optimizer() -> None:
 
 
 def state_round_trip() -> dict[str, object]:
-    net = _net(seed=pd.rank())
+    net = small_net(seed=pd.rank())
     optimizer = pd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
     for step in range(2):
         optimizer.zero_grad()
@@ -177,7 +177,7 @@ def test_workers_with_different_optimizers_get_an_error_naming_the_parameter() -
 
 
 def clipped(synchronize: bool) -> dict[str, object]:
-    net = _net(seed=0)
+    net = small_net(seed=0)
     optimizer = pd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
     norms = []
     with pytest.warns() if not synchronize else _no_warning() as record:
@@ -365,7 +365,7 @@ class LocalModel(PyroModule):
             pyro.sample("x", dist.Normal(z, 0.5).to_event(1), obs=x[idx])
 
 
-def _local_plates(x: torch.Tensor) -> pyro.plate:
+def local_plates(x: torch.Tensor) -> pyro.plate:
     return pyro.plate("data", N_LOCAL, subsample_size=BATCH_LOCAL)
 
 
@@ -375,7 +375,7 @@ def train_local(own: bool, optimizer_name: str, steps: int) -> dict[str, object]
         pd.set_rng_seed(0)
         x = torch.randn(N_LOCAL, D_LOCAL, generator=torch.Generator().manual_seed(2)) + 1.0
         model = LocalModel()
-        guide = AutoNormal(model, create_plates=_local_plates)
+        guide = AutoNormal(model, create_plates=local_plates)
         loss_fn = Trace_ELBO()(model, guide)
         with pd.shard_subsamples(own_local_params=own, by_block=True):
             loss_fn(x)  # creates the parameters; under ownership, cuts them to the block
@@ -431,105 +431,6 @@ def test_owned_module_parameters_change_where_rows_live_not_the_numbers(
         assert torch.equal(gathered["by_module_name"], full["guide.scales.z_unconstrained"])
 
 
-# -- checkpoints of the module, the optimizer and its schedulers
-
-
-def _local_run() -> tuple[torch.nn.Module, torch.Tensor, Any, Any]:
-    pd.set_rng_seed(0)
-    x = torch.randn(N_LOCAL, D_LOCAL, generator=torch.Generator().manual_seed(2)) + 1.0
-    model = LocalModel()
-    guide = AutoNormal(model, create_plates=_local_plates)
-    loss_fn = Trace_ELBO()(model, guide)
-    with pd.shard_subsamples(own_local_params=True):
-        loss_fn(x)
-    optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.05))
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
-    return loss_fn, x, optimizer, scheduler
-
-
-def checkpointed(path: str, save_at: int | None, load: bool, steps: int) -> dict[str, Any]:
-    pyro.settings.set(module_local_params=True)
-    try:
-        loss_fn, x, optimizer, scheduler = _local_run()
-        start = 0
-        if load:
-            start = pd.load_checkpoint(path, optimizer, module=loss_fn, schedulers=[scheduler])
-        for step in range(start, steps):
-            optimizer.zero_grad()
-            with pd.shard_subsamples(own_local_params=True):
-                loss_fn(x).backward()
-            optimizer.step()
-            scheduler.step()
-            if step + 1 == save_at:
-                pd.save_checkpoint(path, optimizer, module=loss_fn, schedulers=[scheduler])
-        named = dict(loss_fn.named_parameters())
-        return {
-            "global": {k: v.detach().clone() for k, v in named.items() if "z_" not in k},
-            "locs": pd.gather_param("AutoNormal.locs.z", to="all"),
-            "rows": pd.local_rows("guide.scales.z_unconstrained", module=loss_fn),
-            "moments": optimizer.state[named["guide.scales.z_unconstrained"]]["exp_avg"].clone(),
-            "lr": optimizer.param_groups[0]["lr"],
-            "start": start,
-        }
-    finally:
-        pyro.settings.set(module_local_params=False)
-
-
-def test_a_module_checkpoint_resumes_bitwise_in_fresh_processes(tmp_path: Any) -> None:
-    path = str(tmp_path / "run.pt")
-    straight = run_workers(checkpointed, path, 3, False, 6)
-    resumed = run_workers(checkpointed, path, None, True, 6)
-    for mine, reference in zip(resumed, straight, strict=True):
-        assert mine["start"] == 3
-        assert mine["lr"] == reference["lr"]
-        for name, value in reference["global"].items():
-            assert torch.equal(mine["global"][name], value), name
-        assert torch.equal(mine["locs"], reference["locs"])
-        assert torch.equal(mine["rows"][1], reference["rows"][1])
-        assert torch.equal(mine["moments"], reference["moments"])
-
-
-def test_a_module_checkpoint_repartitions_local_rows_for_another_world_size(
-    tmp_path: Any,
-) -> None:
-    path = str(tmp_path / "run.pt")
-    saved = run_workers(checkpointed, path, 3, False, 3)
-    moved = run_workers(checkpointed, path, None, True, 3, world_size=3)
-    for rank, mine in enumerate(moved):
-        block = list(range(rank * N_LOCAL // 3, (rank + 1) * N_LOCAL // 3))
-        indices, rows = mine["rows"]
-        assert indices.tolist() == block
-        assert torch.equal(mine["locs"], saved[0]["locs"])  # all N rows, as saved
-        scales_then = torch.cat([saved[0]["rows"][1], saved[1]["rows"][1]])
-        assert torch.equal(rows, scales_then[block])
-        moments_then = torch.cat([saved[0]["moments"], saved[1]["moments"]])
-        assert torch.equal(mine["moments"], moments_then[block])
-        for name, value in saved[0]["global"].items():
-            assert torch.equal(mine["global"][name], value), name
-
-
-def test_module_checkpoints_refuse_the_wrong_kind_of_call(tmp_path: Any) -> None:
-    pd.init("local")
-    try:
-        net = _net(0)
-        optimizer = pd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
-        with pytest.raises(TypeError, match="needs module="):
-            pd.save_checkpoint(str(tmp_path / "a.pt"), optimizer)
-        pd.save_checkpoint(str(tmp_path / "a.pt"), optimizer, module=net)
-        other = torch.nn.Linear(2, 2)
-        with pytest.raises(ValueError, match="is of a different module"):
-            pd.load_checkpoint(str(tmp_path / "a.pt"), optimizer, module=other)
-        pyro_optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
-        with pytest.raises(
-            ValueError, match="load it with load_checkpoint\\(path, optimizer, module"
-        ):
-            pd.load_checkpoint(str(tmp_path / "a.pt"), pyro_optim)
-        with pytest.raises(TypeError, match="module= and schedulers= are for runs with a torch"):
-            pd.save_checkpoint(str(tmp_path / "b.pt"), pyro_optim, module=net)
-    finally:
-        pd.shutdown()
-
-
 # -- the same under the real horovodrun
 
 HOROVOD_SCENARIOS: list[tuple[str, Any, tuple[Any, ...]]] = [
@@ -567,7 +468,7 @@ def built_before_the_cut(step_first: bool) -> dict[str, Any]:
         pd.set_rng_seed(0)
         x = torch.randn(N_LOCAL, D_LOCAL, generator=torch.Generator().manual_seed(2)) + 1.0
         model = LocalModel()
-        guide = AutoNormal(model, create_plates=_local_plates)
+        guide = AutoNormal(model, create_plates=local_plates)
         loss_fn = Trace_ELBO()(model, guide)
         with pd.shard_subsamples(by_block=True):
             loss_fn(x)  # all N rows still

@@ -16,9 +16,8 @@ import torch
 from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
-from pyro_distributed.gather import gather_pieces
 
-from .harness import CountingEngine, run_workers
+from ..harness import run_workers
 
 N = 7  # data points: divides by neither 2 nor 3
 SAMPLES = 10  # divides by neither 3 nor 4
@@ -123,26 +122,3 @@ def test_bad_arguments_are_named() -> None:
         pd.Predictive(model)
     with pytest.raises(TypeError, match=r"data\[0\] must be a tensor"):
         pd.Predictive(model, num_samples=2, split="data")(3.0)
-
-
-def gathered(to: str) -> tuple[Any, list[tuple[str, int]]]:
-    engine = CountingEngine(pd.current_engine())
-    rank = engine.rank
-    pieces = {
-        "rows": torch.full((rank + 1, 2), float(rank)),
-        "flags": torch.tensor([rank % 2 == 0] * (rank + 1)),
-        "shared": torch.arange(3),
-    }
-    result = gather_pieces(engine, pieces, {"rows": 0, "flags": 0, "shared": None}, to)
-    return result, engine.calls
-
-
-def test_gather_pieces_streams_one_broadcast_per_piece_in_rank_order() -> None:
-    (result, calls), (nothing, _) = run_workers(gathered, "main", world_size=2)
-    assert nothing is None
-    assert result["rows"].tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
-    assert result["flags"].tolist() == [True, False, False]
-    assert result["shared"].tolist() == [0, 1, 2]
-    # One object all-gather for the shapes, then a broadcast per worker's piece
-    # (two joined results); the shared result, checked by digest, does not travel.
-    assert calls == [("allgather_object", 1)] + [("broadcast", 1)] * 4

@@ -13,8 +13,8 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from .harness import run_workers
-from .models import bayesian_regression, param_values, regression_data
+from ..harness import run_workers
+from ..models import bayesian_regression, param_values, regression_data
 
 OPTIMIZERS: dict[str, Callable[[], pyro.optim.PyroOptim]] = {
     "Adam": lambda: pyro.optim.Adam({"lr": 0.05}),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import pyro
@@ -13,8 +12,8 @@ from pyro.infer.autoguide import AutoNormal, init_to_sample
 
 import pyro_distributed as pd
 
-from .harness import CountingEngine, run_workers
-from .models import (
+from ..harness import CountingEngine, run_workers
+from ..models import (
     bayesian_regression,
     empty_guide,
     param_values,
@@ -155,57 +154,6 @@ def test_grad_missing_on_one_worker_counts_as_zero_and_missing_everywhere_skips(
     assert results[0]["nowhere"] == 1.0
 
 
-# --- workers that disagree ----------------------------------------------------------------
-
-
-def _extra_param_on_worker_one() -> tuple[str, str, float]:
-    x, y = regression_data(pd.rank(), 8)
-
-    def guide(x: torch.Tensor, y: torch.Tensor) -> None:
-        pyro.param("common", torch.zeros(2))
-        if pd.rank() == 1:
-            pyro.param("extra", torch.zeros(2))
-
-    def model(x: torch.Tensor, y: torch.Tensor) -> None:
-        pass
-
-    svi = SVI(model, guide, pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1})), Trace_ELBO())
-    start = time.monotonic()
-    try:
-        svi.step(x, y)
-    except pd.PyroDistributedError as err:
-        return type(err).__name__, str(err), time.monotonic() - start
-    return "no error", "", time.monotonic() - start
-
-
-def test_differing_param_sets_raise_on_every_worker_quickly() -> None:
-    results = run_workers(_extra_param_on_worker_one)
-    for kind, message, elapsed in results:
-        assert kind == "PyroDistributedError"
-        assert "'extra'" in message
-        assert "is used on worker 1" in message
-        assert "param store of worker 0" in message
-        assert elapsed < 5.0, f"took {elapsed:.1f} s; the engine time-out is 30 s"
-    assert results[0][1] == results[1][1]
-
-
-def _param_shape_per_worker() -> str:
-    p = pyro.param("p", torch.zeros(2 + pd.rank())).unconstrained()
-    p.sum().backward()
-    try:
-        pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))([p])
-    except pd.PyroDistributedError as err:
-        return str(err)
-    return "no error"
-
-
-def test_shape_mismatch_names_param_and_shapes() -> None:
-    messages = run_workers(_param_shape_per_worker)
-    assert messages[0] == messages[1]
-    assert "'p' differs in shape or dtype" in messages[0]
-    assert "worker 0: shape [2]" in messages[0] and "worker 1: shape [3]" in messages[0]
-
-
 # --- collectives per step -----------------------------------------------------------------
 
 
@@ -239,6 +187,19 @@ def test_bucket_cap_splits_the_gradient_buffer() -> None:
 
 
 # --- input checking, in one process -------------------------------------------------------
+
+
+def test_unknown_and_invalid_optimizer_arguments() -> None:
+    adam = pyro.optim.Adam({"lr": 0.1})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):
+        pd.DistributedOptimizer(adam, engine="local", bucket_size=1)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="nonfinite must be 'skip' or 'raise'"):
+        pd.DistributedOptimizer(adam, engine="local", nonfinite="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="check_every must be a positive int"):
+        pd.DistributedOptimizer(adam, engine="local", check_every=0)
+    with pytest.raises(TypeError, match="engine must be a name or an Engine"):
+        pd.DistributedOptimizer(adam, engine=2)  # type: ignore[arg-type]
+    pd.shutdown()
 
 
 def test_rejects_a_torch_optimizer_class() -> None:

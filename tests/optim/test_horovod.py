@@ -1,4 +1,5 @@
-"""HorovodOptimizer and the horovod engine, under the real ``horovodrun --gloo``.
+"""HorovodOptimizer, and DistributedOptimizer on the horovod engine, under the real
+``horovodrun --gloo``.
 
 All scenarios of one world size run in a single horovodrun launch (starting
 Horovod costs seconds); each test then checks its own scenario's results.
@@ -7,10 +8,7 @@ Horovod is built by ``scripts/test.sh``; these tests fail, not skip, without it.
 
 from __future__ import annotations
 
-import functools
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +20,15 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from .harness import WorkerFailure, run_under_horovodrun, run_workers
-from .models import bayesian_regression, param_values, regression_data
-from .test_evaluate import losses
-from .test_faults import drift, nan_on_worker_one, uneven_epoch
+from ..harness import HorovodSuites, run_workers
+from ..models import bayesian_regression, param_values, regression_data
+from ..test_semantics import clip_cases, train_each_elbo
 from .test_noise_scale import measured_against_exact
-from .test_ownership import gathered_and_local_rows
-from .test_ownership import train as train_locally
-from .test_predictive import by_data, by_samples
-from .test_runtime import _flags
-from .test_semantics import clip_cases, train_each_elbo, train_each_scheduler
+from .test_schedulers import train_each_scheduler
 
 pytestmark = pytest.mark.horovod
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
@@ -89,7 +82,9 @@ def grouped(groups_by_name: bool) -> dict[str, Any]:
     (b * grad_b).sum().backward()
     (c * pd.rank()).sum().backward()
     optim([a, b, c])
-    return {"a": a.grad, "b": b.grad, "c": c.grad, "buckets": optim.sync.bucket_count}
+    # One worker has no exchange at all (optim.sync is None): it sends nothing.
+    buckets = None if optim.sync is None else optim.sync.bucket_count
+    return {"a": a.grad, "b": b.grad, "c": c.grad, "buckets": buckets}
 
 
 def seed_usage_example(steps: int) -> dict[str, Any]:
@@ -183,20 +178,6 @@ def bad_arguments() -> dict[str, str]:
     return messages
 
 
-def engine_view() -> dict[str, Any]:
-    engine = pd.current_engine()
-    gathered = engine.allgather_object({"rank": pd.rank(), "payload": "x" * (10 * pd.rank())})
-    pd.barrier()
-    return {
-        "engine": engine.name,
-        "rank": pd.rank(),
-        "world": pd.world_size(),
-        "mean": pd.all_mean(float(pd.rank())),
-        "gathered": gathered,
-        "auto": pd.init("auto") is engine,
-    }
-
-
 def fp16_grads() -> dict[str, Any]:
     return averaged_grads(compression=_hvd().Compression.fp16)
 
@@ -229,27 +210,12 @@ SCENARIOS: list[tuple[str, Any, tuple[Any, ...]]] = [
     ("missing_on_one", param_missing_on_one_worker, ()),
     ("clipping", clipping_after_averaging, ()),
     ("bad_arguments", bad_arguments, ()),
-    ("engine", engine_view, ()),
     ("process_set", process_set_global, ()),
     ("every_elbo", train_each_elbo, (False,)),
     ("every_scheduler", train_each_scheduler, (False,)),
     ("clip_cases", clip_cases, (False,)),
     ("noise_scale", measured_against_exact, (True, "none")),
 ]
-
-
-@functools.cache
-def results_at(world_size: int, suite: str = "main") -> dict[str, Any]:
-    """One horovodrun launch per (suite, world size), shared by the tests that read it."""
-    return run_under_horovodrun(SUITES[suite], world_size=world_size)
-
-
-def outcome(name: str, world_size: int = 2, suite: str = "main") -> list[Any]:
-    result = results_at(world_size, suite)[name]
-    if isinstance(result, WorkerFailure):
-        raise result
-    assert len(result) == world_size
-    return result
 
 
 def exact_average(local: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
@@ -312,9 +278,11 @@ def test_op_sum_gives_world_size_times_the_average(world_size: int) -> None:
 @WORLD_SIZES
 def test_groups_split_the_buffers_without_changing_the_result(world_size: int) -> None:
     by_count, by_lists = outcome("groups_int", world_size), outcome("groups_lists", world_size)
-    if world_size > 1:  # one worker sends nothing
+    if world_size > 1:
         # 3 params in 2 contiguous groups; [[a, c]] plus b on its own: 2 buffers either way
         assert by_count[0]["buckets"] == 2 and by_lists[0]["buckets"] == 2
+    else:  # one worker sends nothing
+        assert by_count[0]["buckets"] is None and by_lists[0]["buckets"] is None
     for name in "abc":
         assert torch.equal(by_count[0][name], by_lists[0][name])
         assert torch.equal(by_count[0][name], by_count[-1][name])
@@ -384,18 +352,6 @@ def test_bad_arguments_get_clear_errors() -> None:
     assert "pyro_optim must be a pyro.optim.PyroOptim" in messages["not_pyro_optim"]
 
 
-def test_engine_auto_picks_horovod_under_horovodrun() -> None:
-    for rank, view in enumerate(outcome("engine")):
-        assert (view["engine"], view["rank"], view["world"], view["auto"]) == (
-            "horovod",
-            rank,
-            2,
-            True,
-        )
-        assert view["mean"] == 0.5
-        assert view["gathered"] == [{"rank": 0, "payload": ""}, {"rank": 1, "payload": "x" * 10}]
-
-
 def test_explicit_global_process_set() -> None:
     results = outcome("process_set")
     mean_a, _ = exact_average([r["local"] for r in results])
@@ -449,102 +405,13 @@ def test_adasum_on_three_workers_names_the_power_of_two_rule() -> None:
     )
 
 
-SUITES: dict[str, list[tuple[str, Any, tuple[Any, ...]]]] = {
-    "main": SCENARIOS,
-    "faults": [
-        ("nan_skip", nan_on_worker_one, ("skip",)),
-        ("drift", drift, ("param",)),
-        ("uneven", uneven_epoch, ()),
-    ],
-    "adasum": [("adasum", adasum_error, ())],
-    "evaluation": [
-        ("losses", losses, (2,)),
-        ("by_samples", by_samples, (0, "main")),
-        ("by_data", by_data, (1,)),
-        ("flags", _flags, ()),
-        ("owned", train_locally, (True, "adam", "hand")),
-        ("replicated", train_locally, (False, "adam", "hand")),
-        ("gathered", gathered_and_local_rows, ()),
-    ],
-}
-
-
-def test_local_parameters_on_horovod_are_the_replicated_numbers() -> None:
-    owned = outcome("owned", suite="evaluation")
-    replicated = outcome("replicated", suite="evaluation")
-    for rank, (mine, reference) in enumerate(zip(owned, replicated, strict=True)):
-        indices, _ = mine["local"]["z_loc"]
-        assert torch.equal(mine["values"]["mu_loc"], reference["values"]["mu_loc"])
-        assert torch.equal(mine["values"]["z_loc"], reference["values"]["z_loc"][indices]), rank
-    gathered = outcome("gathered", suite="evaluation")
-    assert torch.equal(gathered[0]["gathered"], replicated[0]["values"]["z_loc"])
-    assert gathered[1]["gathered"] is None
-
-
-def test_evaluation_prediction_and_flags_on_horovod_match_one_process() -> None:
-    for result in outcome("losses", suite="evaluation"):
-        for kind in ("global", "batch"):
-            assert result[kind] == pytest.approx(result[f"{kind}_reference"], rel=1e-6)
-    for scenario, args in (("by_samples", (0, "main")), ("by_data", (1,))):
-        gathered, nothing = outcome(scenario, suite="evaluation")
-        (alone,) = run_workers(SCENARIO_FUNCTIONS[scenario], *args, world_size=1)
-        assert nothing is None
-        assert gathered.keys() == alone.keys()
-        for name, value in alone.items():
-            assert gathered[name].shape == value.shape, name
-        # Seeded sample chunks are the same draws at any W; split by data, the
-        # deterministic site shows every point in its place.
-        exact = alone.keys() if scenario == "by_samples" else ["mean"]
-        assert all(torch.equal(gathered[name], alone[name]) for name in exact)
-    assert (
-        outcome("flags", suite="evaluation")
-        == [{"any": True, "all": False, "all_true": True, "none": False}] * 2
-    )
-
-
-SCENARIO_FUNCTIONS = {"by_samples": by_samples, "by_data": by_data}
-
-
-def test_nan_skip_drift_and_uneven_epochs_on_horovod() -> None:
-    first, second = outcome("nan_skip", suite="faults")
-    before, skipped, _ = first["values"]
-    assert torch.equal(before["p"], skipped["p"]) and torch.equal(
-        second["values"][1]["p"], skipped["p"]
-    )
-    drift_messages = outcome("drift", suite="faults")
-    assert drift_messages[0] == drift_messages[1]
-    assert "workers have drifted apart: parameter 'p' differs" in drift_messages[0]
-    uneven = outcome("uneven", suite="faults")
-    assert uneven[0]["used"] == uneven[1]["used"] == 6
-
-
-def test_a_killed_horovod_worker_ends_the_job_quickly_and_is_named(tmp_path: Any) -> None:
-    script = tmp_path / "die.py"
-    script.write_text(
-        "import os, signal, torch, pyro, pyro_distributed as pd\n"
-        "pd.init()\n"
-        "p = pyro.param('p', torch.ones(2)).unconstrained()\n"
-        "optim = pd.DistributedOptimizer(pyro.optim.SGD({'lr': 0.1}))\n"
-        "for step in range(100):\n"
-        "    if step == 5 and pd.rank() == 1:\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    p.sum().backward(); optim([p]); p.grad = None\n"
-    )
-    command = [
-        str(BIN / "horovodrun"),
-        "--gloo",
-        "-np",
-        "2",
-        "-H",
-        "localhost:2",
-        sys.executable,
-        str(script),
-    ]
-    start = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode != 0
-    assert "Process 1 exit with status code 137" in done.stdout + done.stderr
-    assert time.monotonic() - start < 60
+SUITES = HorovodSuites(
+    {
+        "main": SCENARIOS,
+        "adasum": [("adasum", adasum_error, ())],
+    }
+)
+outcome = SUITES.outcome
 
 
 def test_noise_scale_norms_are_exact_on_horovod() -> None:

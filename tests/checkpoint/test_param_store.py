@@ -17,8 +17,8 @@ from torch.distributions.transforms import identity_transform
 
 import pyro_distributed as pd
 
-from .harness import run_workers
-from .models import bayesian_regression, param_values, regression_data
+from ..harness import run_workers
+from ..models import bayesian_regression, param_values, regression_data
 
 
 def _new_run() -> tuple[SVI, pd.DistributedOptimizer, tuple[torch.Tensor, torch.Tensor]]:

@@ -29,10 +29,9 @@ from pyro.infer import SVI, Trace_ELBO
 from torch import Tensor
 
 import pyro_distributed as pd
-from pyro_distributed.exchange.averager import GradientAverager, Reduction
 from pyro_distributed.optim.noise_scale import NoiseScale
 
-from .harness import CountingEngine, run_workers
+from ..harness import CountingEngine, run_workers
 
 N = 1000  # data points
 DIM = 32
@@ -197,26 +196,6 @@ def test_norms_equal_those_of_the_gathered_gradients(
     for record in run_workers(measured_against_exact, overlap, compression)[0]:
         assert record["gradient_sq"] == pytest.approx(record["exact_gradient_sq"], rel=rel)
         assert record["trace_sigma"] == pytest.approx(record["exact_trace_sigma"], rel=rel)
-
-
-def averager_norms(op: str, predivide: float) -> tuple[tuple[float, float], tuple[float, float]]:
-    """The averager's norms with Horovod's op and pre-division, and the exact ones."""
-    engine = pd.current_engine()
-    params = [torch.zeros(5, requires_grad=True), torch.zeros(3, requires_grad=True)]
-    generator = torch.Generator().manual_seed(pd.rank())
-    for param in params:
-        param.grad = torch.randn(param.shape, generator=generator)
-    exact = exact_norms(torch.cat([p.grad.reshape(-1) for p in params]))  # type: ignore[union-attr]
-    reduction = Reduction(op=op, predivide=predivide)  # type: ignore[arg-type]
-    averager = GradientAverager(engine, 2**20, reduction, measure_norms=True)
-    assert averager.average_(["a", "b"], params)
-    return averager.squared_norms(), exact
-
-
-@pytest.mark.parametrize(("op", "predivide"), [("mean", 2.0), ("sum", 1.0)])
-def test_norms_survive_predivision_and_summing(op: str, predivide: float) -> None:
-    measured, exact = run_workers(averager_norms, op, predivide, world_size=3)[0]
-    assert measured == pytest.approx(exact, rel=1e-5)
 
 
 # ---------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from torch.distributions import constraints
 
 import pyro_distributed as pd
 
-from .harness import CountingEngine, run_workers
-from .models import param_values, regression_data
+from ..harness import CountingEngine, run_workers
+from ..models import param_values, regression_data
 
 WEIGHTS = 24
 DIM = 16
@@ -172,15 +172,3 @@ def test_a_collective_between_backward_and_step_does_not_pair_with_a_bucket() ->
     assert results[0]["armed"] and results[1]["armed"]
     for name, value in results[0]["params"].items():
         assert torch.equal(results[1]["params"][name], value), name
-
-
-def test_summed_digests_show_any_disagreement() -> None:
-    def summed(*digests: int) -> list[float]:
-        columns = zip(*(pd.exchange.agreement.digest_floats(d) for d in digests), strict=True)
-        return [sum(column) for column in columns]
-
-    same = 0x1234_5678_9ABC_DEF0
-    assert pd.exchange.agreement.digests_equal(summed(same, same, same), 3)
-    # Bytes 1 and 3 against 2 and 2: equal sums, so only the squares tell.
-    assert not pd.exchange.agreement.digests_equal(summed(0x01, 0x03), 2)
-    assert not pd.exchange.agreement.digests_equal(summed(same, same, same ^ (1 << 61)), 3)

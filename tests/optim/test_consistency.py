@@ -1,0 +1,66 @@
+"""assert_in_sync and the periodic drift check: any difference is named, on every worker."""
+
+from __future__ import annotations
+
+import pyro
+import pytest
+import torch
+
+import pyro_distributed as pd
+
+from ..harness import run_workers
+from ..models import train_steps
+
+
+def drift(what: str) -> str:
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}), check_every=3)
+    train_steps(optim, 2)
+    pd.assert_in_sync(optim)  # in sync so far
+    p = pyro.param("p").unconstrained()
+    if pd.rank() == 1:
+        with torch.no_grad():
+            if what == "param":
+                p.add_(1e-6)
+            else:
+                next(iter(optim.optim_objs.values())).state[p]["exp_avg"].add_(1.0)
+    try:
+        train_steps(optim, 1)  # the third step runs the periodic check
+    except pd.PyroDistributedError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("what", "expected"), [("param", "parameter 'p'"), ("state", "optimizer state of 'p'")]
+)
+def test_drift_is_caught_by_check_every_and_names_param_and_workers(
+    what: str, expected: str
+) -> None:
+    messages = run_workers(drift, what)
+    assert messages[0] == messages[1]
+    assert f"workers have drifted apart: {expected} differs" in messages[0]
+    assert "worker 0: version" in messages[0] and "worker 1: version" in messages[0]
+
+
+def store_only_check(extra_on: int | None) -> str:
+    """assert_in_sync without an optimizer: the param store alone, on the current engine."""
+    pyro.param("shared", torch.arange(3.0))
+    if pd.rank() == extra_on:
+        pyro.param("extra", torch.zeros(2))
+    try:
+        pd.assert_in_sync()
+    except pd.PyroDistributedError as err:
+        return str(err)
+    return "in sync"
+
+
+def test_identical_param_stores_are_in_sync_on_every_worker() -> None:
+    assert run_workers(store_only_check, None, world_size=3) == ["in sync"] * 3
+
+
+def test_a_parameter_only_some_workers_hold_is_named_with_its_holders() -> None:
+    messages = run_workers(store_only_check, 2, world_size=3)
+    assert messages[0] == messages[1] == messages[2]
+    assert "workers have drifted apart: parameter 'extra' differs" in messages[0]
+    assert "workers 0, 1: none" in messages[0]
+    assert "worker 2: version" in messages[0]

@@ -1,0 +1,50 @@
+"""The options both front ends take (pyro_distributed.optim.options)."""
+
+from __future__ import annotations
+
+import pytest
+
+import pyro_distributed as pd
+from pyro_distributed.exchange.averager import Reduction
+from pyro_distributed.optim.options import check_options, make_sync, start_engine
+
+from ..harness import run_workers
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ((0, "skip", None, True), ValueError, "bucket_cap_mb must be positive"),
+        (("1", "skip", None, True), TypeError, "bucket_cap_mb must be a number"),
+        ((1.0, "ignore", None, True), ValueError, "nonfinite must be 'skip' or 'raise'"),
+        ((1.0, "skip", 0, True), ValueError, "check_every must be a positive int"),
+        ((1.0, "skip", 2.5, True), TypeError, "check_every must be an int or None"),
+        ((1.0, "skip", None, 1), TypeError, "overlap must be True or False"),
+    ],
+)
+def test_each_bad_option_gets_its_own_error(
+    options: tuple[object, ...], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        check_options(*options)
+
+
+def test_start_engine_takes_a_name_or_an_engine() -> None:
+    pd.init("local")
+    try:
+        engine = start_engine("local")
+        assert start_engine(engine) is engine
+        with pytest.raises(TypeError, match="engine must be a name or an Engine, got int"):
+            start_engine(3)  # type: ignore[arg-type]
+    finally:
+        pd.shutdown()
+
+
+def sync_kind() -> tuple[bool, bool]:
+    sync = make_sync(pd.current_engine(), 1.0, Reduction(), True, None, "optimizer")
+    return sync is None, sync is not None and sync.overlaps
+
+
+def test_one_worker_gets_no_exchange_and_two_get_one() -> None:
+    assert run_workers(sync_kind, world_size=1) == [(True, False)]
+    assert run_workers(sync_kind) == [(False, True), (False, True)]

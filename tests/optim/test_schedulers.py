@@ -1,0 +1,126 @@
+"""Learning-rate schedulers, distributed: stepped alike on every worker.
+
+Every scheduler Pyro wraps follows the one-process trajectory (the reference
+of :mod:`tests.test_semantics`); ReduceLROnPlateau decides from the mean of
+the workers' metrics, however the metric is passed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+
+import pyro_distributed as pd
+
+from ..harness import run_workers
+from ..models import empty_guide, param_values, point_regression
+from ..test_semantics import STEPS, batch_for, compare_with_single_process, my_ranks
+
+SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "StepLR": ("StepLR", {"step_size": 2, "gamma": 0.5}),
+    "MultiStepLR": ("MultiStepLR", {"milestones": [2, 5], "gamma": 0.5}),
+    "ExponentialLR": ("ExponentialLR", {"gamma": 0.8}),
+    "ConstantLR": ("ConstantLR", {"factor": 0.5, "total_iters": 3}),
+    "LinearLR": ("LinearLR", {"start_factor": 0.2, "total_iters": 4}),
+    "PolynomialLR": ("PolynomialLR", {"total_iters": 6, "power": 2.0}),
+    "CosineAnnealingLR": ("CosineAnnealingLR", {"T_max": 6}),
+    "CosineAnnealingWarmRestarts": ("CosineAnnealingWarmRestarts", {"T_0": 3}),
+    "CyclicLR": ("CyclicLR", {"base_lr": 1e-5, "max_lr": 1e-4, "step_size_up": 2}),
+    "OneCycleLR": ("OneCycleLR", {"max_lr": 1e-4, "total_steps": STEPS + 1}),
+    "LambdaLR": ("LambdaLR", {"lr_lambda": "halving"}),
+    "MultiplicativeLR": ("MultiplicativeLR", {"lr_lambda": "halving"}),
+    "ReduceLROnPlateau": ("ReduceLROnPlateau", {"patience": 0, "factor": 0.5, "threshold": 0.5}),
+}
+
+
+def _halving(epoch: int) -> float:
+    return 0.5 ** min(epoch, 3) if epoch else 1.0
+
+
+def train_each_scheduler(single: bool) -> dict[str, dict[str, torch.Tensor]]:
+    x, y = batch_for(my_ranks(single))
+    results = {}
+    for case, (name, scheduler_args) in SCHEDULERS.items():
+        pyro.clear_param_store()
+        kwargs = {k: _halving if v == "halving" else v for k, v in scheduler_args.items()}
+        scheduler = getattr(pyro.optim, name)(
+            {"optimizer": torch.optim.SGD, "optim_args": {"lr": 1e-4, "momentum": 0.5}, **kwargs}
+        )
+        optim = pd.DistributedOptimizer(scheduler)
+        svi = SVI(point_regression, empty_guide, optim, Trace_ELBO())
+        lrs = []
+        for _ in range(STEPS):
+            loss = svi.step(x, y)
+            optim.step(loss) if name == "ReduceLROnPlateau" else optim.step()
+            (lr,) = {o.optimizer.param_groups[0]["lr"] for o in optim.optim_objs.values()}
+            lrs.append(lr)
+        results[case] = {**param_values(), "lr": torch.tensor(lrs, dtype=torch.float64)}
+    return results
+
+
+@functools.cache
+def scheduler_runs() -> Any:
+    return compare_with_single_process(train_each_scheduler)
+
+
+def test_every_scheduler_matches_one_process() -> None:
+    single = scheduler_runs()
+    for case, values in single.items():
+        assert len(set(values["lr"].tolist())) > 1, f"{case}: the learning rate never changed"
+
+
+def test_reduce_lr_on_plateau_averages_the_loss_it_is_given() -> None:
+    # Each worker passes its own local loss; the single process passes the mean loss.
+    single = scheduler_runs()
+    assert single["ReduceLROnPlateau"]["lr"][-1] < 1e-4
+
+
+def stepping_a_plain_optimizer() -> str:
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
+    with pytest.raises(TypeError) as info:
+        optim.step()
+    return str(info.value)
+
+
+def test_step_on_a_plain_optimizer_says_only_schedulers_step() -> None:
+    (message,) = run_workers(stepping_a_plain_optimizer, world_size=1)
+    assert "the wrapped PyroOptim has no step()" in message
+    assert "only learning-rate schedulers" in message
+
+
+def plateau_learning_rates(metrics: list[list[float]], how: str) -> list[float]:
+    """ReduceLROnPlateau stepped with this worker's row of ``metrics``, passed ``how``."""
+    scheduler = pyro.optim.ReduceLROnPlateau(
+        {"optimizer": torch.optim.SGD, "optim_args": {"lr": 1.0}, "patience": 0, "factor": 0.5}
+    )
+    optim = pd.DistributedOptimizer(scheduler)
+    p = pyro.param("p", torch.ones(2)).unconstrained()
+    p.sum().backward()
+    optim([p])
+    lrs = []
+    for metric in metrics[pd.rank()]:
+        if how == "tensor":
+            optim.step(torch.tensor(metric))
+        else:
+            optim.step(metrics=metric)
+        (lr,) = {o.optimizer.param_groups[0]["lr"] for o in optim.optim_objs.values()}
+        lrs.append(lr)
+    return lrs
+
+
+# Worker 0's own metric never improves; the mean of both workers' improves at every step.
+PLATEAU_METRICS = [[1.0] * 4, [9.0, 7.0, 5.0, 3.0]]
+
+
+@pytest.mark.parametrize("how", ["tensor", "keyword"])
+def test_reduce_lr_on_plateau_follows_the_mean_metric_not_the_workers_own(how: str) -> None:
+    results = run_workers(plateau_learning_rates, PLATEAU_METRICS, how)
+    assert results[0] == results[1] == [1.0] * 4
+    # The same scheduler alone on worker 0's metric would have lowered the rate.
+    (alone,) = run_workers(plateau_learning_rates, PLATEAU_METRICS[:1], how, world_size=1)
+    assert alone == [1.0, 0.5, 0.25, 0.125]
