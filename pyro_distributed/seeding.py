@@ -30,7 +30,10 @@ _BLOCK_STREAM = 1
 def derived_seed(seed: int, *path: int) -> int:
     """A 32-bit seed for the stream named by ``path`` under ``seed``; streams
     with different paths are independent."""
-    return int(np.random.SeedSequence([seed, *path]).generate_state(1, dtype=np.uint32)[0])
+    # The path's length goes first: SeedSequence pads its entropy with zeros,
+    # so (s, e) and (s, e, 0) would otherwise name the same stream.
+    entropy = [seed, len(path), *path]
+    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint32)[0])
 
 
 def worker_seed(seed: int, rank: int) -> int:
