@@ -21,7 +21,7 @@ import pyro_distributed as pd
 import pyro_distributed.local.blocks
 
 from ..harness import run_workers
-from ..test_checkpoint import assert_same_state
+from ..checkpoint.test_param_store import assert_same_state
 from .test_ownership import D, N, data, guide, model
 
 LOCAL = ("z_loc", "z_scale")
