@@ -91,9 +91,10 @@ def attach_unconstrained(value: Tensor, unconstrained: Tensor) -> None:
     value._pyro_unconstrained_param = unconstrained  # type: ignore[attr-defined]
 
 
-def module_param(msg: dict[str, Any]) -> tuple[Tensor, Any] | None:
+def module_param(msg: dict[str, Any]) -> tuple[Tensor, Any, bool] | None:
     """For a ``param`` message from a PyroModule in ``module_local_params`` mode,
-    the module's unconstrained ``nn.Parameter`` and its constraint; else ``None``.
+    the module's unconstrained ``nn.Parameter``, its constraint, and whether the
+    constrained value Pyro already computed is in an autograd graph; else ``None``.
 
     In that mode a PyroParam lives on its module, not in the param store, and
     Pyro announces each use with a message whose only argument is the name and
@@ -108,7 +109,7 @@ def module_param(msg: dict[str, Any]) -> tuple[Tensor, Any] | None:
     tensor = ref() if callable(ref) else None
     if not isinstance(tensor, torch.nn.Parameter):
         return None
-    return tensor, msg["kwargs"].get("constraint")
+    return tensor, msg["kwargs"].get("constraint"), value.grad_fn is not None
 
 
 def single_optimizer(pyro_optim: PyroOptim, param: Tensor) -> torch.optim.Optimizer:

@@ -29,6 +29,7 @@ parameters of such plates hold block r's rows only
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from pyro.poutine.messenger import Messenger
 
 from .. import runtime
 from ..checks import check_bool
+from ..errors import PyroDistributedError
 from ..internals import Subsample, module_param
 from ..local import registry, store
 from ..partition import block_range
@@ -200,17 +202,37 @@ class shard_subsamples(Messenger):
         constraint = msg["kwargs"].get("constraint")
         # A PyroModule's parameter in module_local_params mode lives on the module.
         held = module_param(msg)
-        tensor = None if held is None else held[0]
+        tensor, in_graph = None, False
         if held is not None:
-            constraint = held[1]
+            tensor, constraint, in_graph = held
+        cut = False
         if self.own_local_params:
-            store.localize(param, init, constraint, tensor)
+            cut = store.localize(param, init, constraint, tensor)
             registry.register(param, tensor, constraint)
         else:
             store.create(param, init, constraint, tensor)
-        msg["value"] = store.select_rows(param, indices, self.own_local_params, tensor, constraint)
+        value = store.select_rows(param, indices, self.own_local_params, tensor, constraint)
+        if cut and in_graph and value.requires_grad:
+            value.register_hook(_cut_in_this_call(name))  # type: ignore[no-untyped-call]
+        msg["value"] = value
         # The plate must not subsample the value again: that is done.
         msg["kwargs"] = {**msg["kwargs"], "event_dim": None}
+
+
+def _cut_in_this_call(name: str) -> Callable[[torch.Tensor], None]:
+    """A hook refusing a backward pass through the call that cut a module's
+    parameter to its block: autograd's record of the parameter still has all
+    its rows then, and torch would fail with a shape error."""
+
+    def refuse(_: torch.Tensor) -> None:
+        raise PyroDistributedError(
+            f"this call cut local parameter {name!r} to this worker's block of rows, so "
+            f"its loss cannot be backpropagated; make one warm-up call (loss_fn(*batch), "
+            f"without backward) under shard_subsamples(own_local_params=True) before "
+            f"training, as for an AutoGuide's lazily created parameters"
+        )
+
+    return refuse
 
 
 def _warn_if_sized_by_a_shard(name: str, size: int) -> None:

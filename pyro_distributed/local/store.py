@@ -60,8 +60,9 @@ def localize(
     init: Any = None,
     constraint: Any = None,
     module_tensor: Tensor | None = None,
-) -> None:
-    """Make the param store (or ``module_tensor``) hold only this worker's rows of ``param``.
+) -> bool:
+    """Make the param store (or ``module_tensor``) hold only this worker's rows of
+    ``param``; return whether a module's parameter was cut just now.
 
     A new parameter is created from its block of ``init`` (a tensor or a
     callable, with the plate's size or the block's length along the plate).
@@ -70,19 +71,21 @@ def localize(
     as they are, so that every row keeps its bits.
     """
     if module_tensor is not None:
-        if length_along(module_tensor, param) != len(param.rows):
-            with torch.no_grad():
-                module_tensor.data = _block_of(param, module_tensor.detach()).clone()
-        return
+        if length_along(module_tensor, param) == len(param.rows):
+            return False
+        with torch.no_grad():
+            module_tensor.data = _block_of(param, module_tensor.detach()).clone()
+        return True
     store = pyro.get_param_store()
     if param.name not in store:
         value = _initial(param, init, "local parameter")
         store.setdefault(param.name, _block_of(param, value), constraint or constraints.real)
-        return
+        return False
     unconstrained = stored_unconstrained(param.name)
     assert unconstrained is not None
     if length_along(unconstrained, param) != len(param.rows):
         replace_unconstrained(param.name, _block_of(param, unconstrained.detach()).clone())
+    return False
 
 
 def _initial(param: LocalParam, init: Any, what: str) -> Tensor:

@@ -20,8 +20,8 @@ from pyro.infer import SVI, Trace_ELBO
 import pyro_distributed as pd
 import pyro_distributed.local.blocks
 
-from ..harness import run_workers
 from ..checkpoint.test_param_store import assert_same_state
+from ..harness import run_workers
 from .test_ownership import D, N, data, guide, model
 
 LOCAL = ("z_loc", "z_scale")

@@ -461,8 +461,14 @@ def test_the_torch_front_end_and_ownership_under_horovodrun() -> None:
                 assert torch.equal(mine["values"][name], value), name
 
 
-def built_before_the_cut(step_first: bool) -> dict[str, Any]:
-    """The optimizer built before the call that cuts the local rows."""
+def built_before_the_cut(how: str) -> dict[str, Any]:
+    """The optimizer built before the call that cuts the local rows.
+
+    ``how``: "warm-up" cuts them in a warm-up call under ownership, as the
+    README says; "stepped" does too, after a step of all N rows replicated;
+    "in-training" cuts them in the first training call, whose backward pass
+    must be refused.
+    """
     pyro.settings.set(module_local_params=True)
     try:
         pd.set_rng_seed(0)
@@ -471,17 +477,21 @@ def built_before_the_cut(step_first: bool) -> dict[str, Any]:
         guide = AutoNormal(model, create_plates=local_plates)
         loss_fn = Trace_ELBO()(model, guide)
         with pd.shard_subsamples(by_block=True):
-            loss_fn(x)  # all N rows still
+            loss_fn(x)  # creates the parameters, all N rows
         optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.05))
-        if step_first:
+        if how == "stepped":
             with pd.shard_subsamples(by_block=True):
                 loss_fn(x).backward()
             optimizer.step()  # Adam's moments now hold all N rows
+        if how in ("warm-up", "stepped"):
+            with pd.shard_subsamples(own_local_params=True):
+                loss_fn(x)  # cuts the rows; no backward pass
         try:
             for _ in range(3):
                 optimizer.zero_grad()
                 with pd.shard_subsamples(own_local_params=True):
-                    loss_fn(x).backward()
+                    loss = loss_fn(x)
+                loss.backward()
                 optimizer.step()
         except pd.PyroDistributedError as exc:
             return {"error": str(exc)}
@@ -491,16 +501,24 @@ def built_before_the_cut(step_first: bool) -> dict[str, Any]:
 
 
 def test_an_optimizer_built_before_the_rows_are_cut_keeps_working() -> None:
-    results = run_workers(built_before_the_cut, False)
+    results = run_workers(built_before_the_cut, "warm-up")
     for rank, result in enumerate(results):
         indices, rows = result["rows"]
         assert indices.tolist() == list(range(rank * N_LOCAL // 2, (rank + 1) * N_LOCAL // 2))
-        assert rows.shape == (len(indices),)
+        assert rows.shape == (len(indices), D_LOCAL)
 
 
 def test_an_optimizer_that_stepped_all_the_rows_is_refused_by_name() -> None:
-    results = run_workers(built_before_the_cut, True)
+    results = run_workers(built_before_the_cut, "stepped")
     for result in results:
         message = result["error"]
         assert "local parameter 'AutoNormal." in message and "of this worker's block" in message
         assert "stepped the parameter before" in message
+
+
+def test_backpropagating_the_call_that_cut_the_rows_is_refused_with_the_remedy() -> None:
+    results = run_workers(built_before_the_cut, "in-training")
+    for result in results:
+        message = result["error"]
+        assert "cut local parameter 'AutoNormal.scales.z' to this worker's block" in message
+        assert "make one warm-up call" in message
