@@ -45,6 +45,7 @@ from .overlap import BackwardOverlap
 from .ownership import LocalGradients, split_local
 from .reduce import GradientAverager, Reduction
 from .schedulers import step_schedulers
+from .sparse_step import SparseStepper
 
 __all__ = ["DistributedOptimizer"]
 
@@ -227,6 +228,8 @@ class DistributedOptimizer(PyroOptim):
             BackwardOverlap(engine, self._averager) if overlap and engine.world_size > 1 else None
         )
         self._local = LocalGradients(engine)
+        # [sparse-local] steps local_updates="sparse" rows (pyro_distributed.sparse_step).
+        self._sparse = SparseStepper(pyro_optim)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes this object lacks: read the wrapped
@@ -243,20 +246,28 @@ class DistributedOptimizer(PyroOptim):
             (a set), or a list or ``dict.values()``.
         """
         self.num_steps += 1
+        # [sparse-local] Parameters read under local_updates="sparse" leave
+        # here: they have row gradients, not a .grad (pyro_distributed.sparse_local).
+        params, sparse = self._sparse.take(params)
         if self.engine.world_size == 1:
             self._step_wrapped(params, *args, **kwargs)
+            self._sparse.step(sparse)  # [sparse-local]
             return
         # Local parameters (pyro_distributed.ownership) never travel.
         params, local = split_local(params)
         step, finite = self._average(params)
-        if local:
-            finite = self._local.prepare(local) and finite
+        if local or sparse:
+            # [sparse-local] their rows' finite check joins the same one-element reduction.
+            rows_finite = self._sparse.prepare(sparse, self.engine.world_size)
+            owned = [*local, *(rows.tensor for rows in sparse)]
+            finite = self._local.prepare(owned, rows_finite) and finite
         if finite:
             if self._noise is not None and step.tensors:  # before the wrapped optimizer clips
                 self._noise.observe(*self._averager.squared_norms())
             self._step_wrapped([*step.tensors, *local], *args, **kwargs)
+            self._sparse.step(sparse)  # [sparse-local]
         else:
-            self._refuse_nonfinite([*step.tensors, *local])
+            self._refuse_nonfinite([*step.tensors, *local], self._sparse.nonfinite(sparse))
         for name, param in zip(step.names, step.tensors, strict=True):
             if name in step.borrowed:
                 # This worker's SVI will not zero it; a stale average must not
@@ -310,14 +321,17 @@ class DistributedOptimizer(PyroOptim):
         else:
             self.wrapped(params, *args, **kwargs)  # type: ignore[arg-type]
 
-    def _refuse_nonfinite(self, params: Sequence[Tensor]) -> None:
-        """Skip the step (or raise), identically on every worker."""
+    def _refuse_nonfinite(self, params: Sequence[Tensor], rows: Sequence[str] = ()) -> None:
+        """Skip the step (or raise), identically on every worker.
+
+        ``rows``: sparse local parameters whose row gradient is not finite.
+        """
         store = pyro.get_param_store()
         bad = [
             store.param_name(param) or "?"
             for param in params
             if param.grad is not None and not bool(torch.isfinite(param.grad).all())
-        ]
+        ] + list(rows)  # [sparse-local]
         message = (
             f"the averaged gradient of {', '.join(map(repr, bad[:5]))}"
             f"{f' and {len(bad) - 5} more' if len(bad) > 5 else ''} is not finite "
@@ -364,6 +378,7 @@ class DistributedOptimizer(PyroOptim):
             self._overlap.reset()
         if self._stepper is not None:
             self._stepper.forget()
+        self._sparse.forget()  # [sparse-local]
 
     def get_state(self) -> dict[str, Any]:
         """The optimizer state, keyed by param-store name, in PyroOptim's format."""

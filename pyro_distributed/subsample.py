@@ -35,7 +35,7 @@ import torch
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
-from . import ownership, runtime
+from . import ownership, runtime, sparse_local
 from .data import block_range
 from .plates import shard_lengths
 from .seeding import block_generator, shared_generator
@@ -61,6 +61,12 @@ class shard_subsamples(Messenger):
         values the replicated path computes. Read them with
         :func:`~pyro_distributed.gather_param` and
         :func:`~pyro_distributed.local_rows`.
+    :param local_updates: how ``own_local_params`` steps the local parameters:
+        ``"dense"`` (default) every row of the block at every step, as
+        before; ``"sparse"`` only the rows selected since the last step, at
+        O(batch) cost instead of O(N/W), with the lazy semantics of
+        ``torch.optim.SparseAdam`` (:mod:`pyro_distributed.sparse_local`,
+        rules in :mod:`pyro_distributed.sparse_step`).
 
     Example::
 
@@ -69,7 +75,15 @@ class shard_subsamples(Messenger):
             with pd.shard_subsamples():
                 loss = svi.step(data)
 
-    :raises ValueError: when ``world_size * subsample_size`` exceeds a plate's
+    Sparse local steps, the same loop::
+
+        with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
+            loss = svi.step(data)
+
+    :raises TypeError: when ``local_updates`` is not a string.
+    :raises ValueError: when ``local_updates`` is neither ``"dense"`` nor
+        ``"sparse"``, or is ``"sparse"`` without ``own_local_params=True``;
+        when ``world_size * subsample_size`` exceeds a plate's
         size; under ``by_block``, when ``subsample_size`` exceeds a block or a
         ``subsample=`` index lies outside this worker's block; under
         ``own_local_params``, when a local parameter has neither the plate's
@@ -100,13 +114,29 @@ class shard_subsamples(Messenger):
         valid for a row only one worker uses; to reproduce the replicated run
         bitwise, initialise them deterministically (AutoNormal's default
         ``init_to_feasible`` is; ``init_to_median`` draws at random).
+
+    .. warning::
+        ``local_updates="sparse"`` is lazy: rows outside a step's batch keep
+        their values and optimizer state (no moment decay, no momentum, no
+        weight decay), and bias correction counts the parameter's steps. It
+        steps Adam, AdamW, ClippedAdam and SGD and refuses other optimizers
+        with a ``ValueError`` at the first step
+        (:mod:`pyro_distributed.sparse_step` states each rule).
     """
 
-    def __init__(self, *, by_block: bool = False, own_local_params: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        by_block: bool = False,
+        own_local_params: bool = False,
+        local_updates: sparse_local.LocalUpdates = "dense",
+    ) -> None:
         super().__init__()
         for name, value in (("by_block", by_block), ("own_local_params", own_local_params)):
             if not isinstance(value, bool):
                 raise TypeError(f"shard_subsamples: {name} must be True or False, got {value!r}")
+        # [sparse-local] "dense" (default) or "sparse" (pyro_distributed.sparse_local).
+        self.local_updates = sparse_local.check_local_updates(local_updates, own_local_params)
         self.own_local_params = own_local_params
         self.by_block = by_block or own_local_params
         # plate name -> (size, this step's global indices) for plates drawn by block
@@ -202,7 +232,10 @@ class shard_subsamples(Messenger):
             ownership.register(param)
         else:
             ownership.create(param, init, constraint)
-        msg["value"] = ownership.select_rows(param, indices, owned=self.own_local_params)
+        if self.local_updates == "sparse":  # [sparse-local] rows in a small leaf of their own
+            msg["value"] = sparse_local.select_rows(param, indices)
+        else:
+            msg["value"] = ownership.select_rows(param, indices, owned=self.own_local_params)
         # The plate must not subsample the value again: that is done.
         msg["kwargs"] = {**msg["kwargs"], "event_dim": None}
 
