@@ -179,7 +179,10 @@ class shard_subsamples(Messenger):
                     f"plate {name!r}: subsample_size {per_worker} exceeds worker "
                     f"{runtime.rank()}'s block of {len(block)} of its {size} rows"
                 )
-            draw = torch.randperm(len(block), generator=block_generator())[:per_worker]
+            if self.local_updates == "sparse":  # [sparse-local] O(batch), not O(N/W)
+                draw = sparse_local.draw_rows(len(block), per_worker, block_generator())
+            else:
+                draw = torch.randperm(len(block), generator=block_generator())[:per_worker]
             msg["value"] = (draw + block.start).to(fn.device)
         indices = torch.as_tensor(msg["value"])
         outside = indices[(indices < block.start) | (indices >= block.stop)]

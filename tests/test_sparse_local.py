@@ -412,3 +412,31 @@ def test_bad_local_updates_are_named() -> None:
     with pytest.raises(ValueError, match="local_updates='sparse' needs own_local_params=True"):
         pd.shard_subsamples(by_block=True, local_updates="sparse")
     assert pd.shard_subsamples(own_local_params=True).local_updates == "dense"
+
+
+def test_rows_drawn_in_o_batch_are_distinct_and_uniform() -> None:
+    """The sparse mode's draw (rejecting repeats) against the uniform law.
+
+    640 rows, 10 per draw: about one draw in 13 repeats a row in its first
+    round and goes through the rejection loop. Each row is expected 100
+    times in 6,400 draws; the chi-square statistic over 639 degrees of
+    freedom has mean 639 and standard deviation 35.7 (a fixed seed: the
+    bounds of 5 deviations are not a coin toss).
+    """
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(640)
+    first = torch.zeros(640)
+    for _ in range(6400):
+        rows = sparse_local.draw_rows(640, 10, generator)
+        assert len(rows) == 10 and len(torch.unique(rows)) == 10
+        assert int(rows.min()) >= 0 and int(rows.max()) < 640
+        counts += torch.bincount(rows, minlength=640)
+        first[rows[0]] += 1
+    chi_square = float(((counts - 100) ** 2 / 100).sum())
+    assert 639 - 5 * 35.7 < chi_square < 639 + 5 * 35.7
+    # The order is random too: the first row drawn is any row alike (10 expected each).
+    chi_first = float(((first - 10) ** 2 / 10).sum())
+    assert 639 - 5 * 35.7 < chi_first < 639 + 5 * 35.7
+    # A whole block (or most of it) is a permutation, as the dense mode draws.
+    whole = sparse_local.draw_rows(20, 20, torch.Generator().manual_seed(1))
+    assert torch.equal(whole, torch.randperm(20, generator=torch.Generator().manual_seed(1)))
