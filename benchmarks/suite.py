@@ -21,6 +21,7 @@ from typing import Literal
 __all__ = [
     "CONFIGS",
     "LOCAL_CONFIGS",
+    "LOCAL_LARGEST",
     "LOCAL_PLANS",
     "PEERS",
     "PLANS",
@@ -54,6 +55,9 @@ class Config:
     baseline: str | None = None
     #: Runs only on plans that name it, not on those that take every configuration.
     named_only: bool = False
+    #: Times this many times the plan's steps: for a configuration so much
+    #: faster than the others that the plan's steps would time too little.
+    steps_scale: int = 1
 
     @property
     def needs_horovod(self) -> bool:
@@ -75,6 +79,16 @@ CONFIGS: tuple[Config, ...] = (
     # Local parameters owned by their worker (run by bench_local.py only).
     Config(
         "ours-owned-w2", "ours-owned", "torchrun", workers=2, baseline="plain-x2", named_only=True
+    ),
+    # Ownership with sparse local steps (local_updates="sparse"): O(batch) a step.
+    Config(
+        "ours-sparse-w2",
+        "ours-sparse",
+        "torchrun",
+        workers=2,
+        baseline="plain-x2",
+        named_only=True,
+        steps_scale=20,
     ),
 )
 
@@ -133,14 +147,19 @@ LOCAL_CONFIGS: tuple[str, ...] = (
     "plain",
     "ours-w2",
     "ours-owned-w2",
+    "ours-sparse-w2",
     "pyro-horovod-w2",
     "ddp-w2",
 )
+# At N = 10^7 the replicated configurations would hold 2.6 GB per process
+# and take seconds a step: only plain Pyro and ownership, dense and sparse.
+LOCAL_LARGEST: tuple[str, ...] = ("plain", "ours-owned-w2", "ours-sparse-w2")
 LOCAL_PLANS: tuple[Plan, ...] = (
     Plan("local10000", steps=40, warmup=5, configs=LOCAL_CONFIGS, main=False),
     Plan("local100000", steps=30, warmup=5, configs=LOCAL_CONFIGS, main=False),
     Plan("local1000000", steps=10, warmup=3, configs=LOCAL_CONFIGS, main=False),
     Plan("local4000000", steps=5, warmup=2, configs=LOCAL_CONFIGS, main=False),
+    Plan("local10000000", steps=4, warmup=2, configs=LOCAL_LARGEST, main=False),
 )
 
 
