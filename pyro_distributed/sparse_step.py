@@ -25,8 +25,7 @@ count:
   ``weight_decay`` (L2) adds ``weight_decay * p_r`` to g_r for r in R only;
   with ``decoupled_weight_decay=True`` it is AdamW's rule below.
 * **AdamW**: as Adam, after ``p_r *= 1 - lr * weight_decay`` for r in R only:
-  rows outside the batch do not decay (TensorFlow's decoupled weight decay
-  for sparse gradients has the same rule).
+  rows outside the batch do not decay.
 * **ClippedAdam** (Pyro's): g_r is clamped to ``[-clip_norm, clip_norm]``
   elementwise, ``lr`` is multiplied by ``lrd`` once per optimizer step (as
   the dense step does, whichever rows were selected), ``weight_decay`` and
