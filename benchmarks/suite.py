@@ -21,7 +21,6 @@ from typing import Literal
 __all__ = [
     "CONFIGS",
     "LOCAL_CONFIGS",
-    "LOCAL_LARGEST",
     "LOCAL_PLANS",
     "PEERS",
     "PLANS",
@@ -151,15 +150,12 @@ LOCAL_CONFIGS: tuple[str, ...] = (
     "pyro-horovod-w2",
     "ddp-w2",
 )
-# At N = 10^7 the replicated configurations would hold 2.6 GB per process
-# and take seconds a step: only plain Pyro and ownership, dense and sparse.
-LOCAL_LARGEST: tuple[str, ...] = ("plain", "ours-owned-w2", "ours-sparse-w2")
 LOCAL_PLANS: tuple[Plan, ...] = (
     Plan("local10000", steps=40, warmup=5, configs=LOCAL_CONFIGS, main=False),
     Plan("local100000", steps=30, warmup=5, configs=LOCAL_CONFIGS, main=False),
     Plan("local1000000", steps=10, warmup=3, configs=LOCAL_CONFIGS, main=False),
     Plan("local4000000", steps=5, warmup=2, configs=LOCAL_CONFIGS, main=False),
-    Plan("local10000000", steps=4, warmup=2, configs=LOCAL_LARGEST, main=False),
+    Plan("local10000000", steps=4, warmup=2, configs=LOCAL_CONFIGS, main=False),
 )
 
 
