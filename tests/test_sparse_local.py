@@ -41,6 +41,13 @@ OPTIMIZERS: dict[str, Any] = {
     "sgd": lambda: pyro.optim.SGD({"lr": 0.002}),
     "momentum": lambda: pyro.optim.SGD({"lr": 0.002, "momentum": 0.9, "nesterov": True}),
 }
+# Plain SGD behind a scheduler, and with clip_args, for the bitwise comparison with dense.
+BESIDES: dict[str, Any] = {
+    "sgd-steplr": lambda: pyro.optim.StepLR(
+        {"optimizer": torch.optim.SGD, "optim_args": {"lr": 0.004}, "step_size": 3, "gamma": 0.5}
+    ),
+    "sgd-clip": lambda: pyro.optim.SGD({"lr": 0.002}, {"clip_value": 2.0}),
+}
 SETTINGS: dict[str, dict[str, Any]] = {
     "adam": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
     "adam-l2": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1},
@@ -211,11 +218,13 @@ def train(mode: str, optim_name: str, guide_name: str, size: int = N) -> dict[st
     else:
         chosen_model = model
         chosen = AutoNormal(model, create_plates=plates) if guide_name == "auto" else guide
-    optim = pd.DistributedOptimizer(OPTIMIZERS[optim_name]())
+    optim = pd.DistributedOptimizer({**OPTIMIZERS, **BESIDES}[optim_name]())
     svi = SVI(chosen_model, chosen, optim, Trace_ELBO(num_particles=2))
     for _ in range(STEPS):
         with pd.shard_subsamples(own_local_params=True, local_updates=mode):
             svi.step(x)
+        if optim_name == "sgd-steplr":
+            optim.step()  # the scheduler: the sparse step must use its learning rate
     store = pyro.get_param_store()
     return {
         "values": {name: value.detach().clone() for name, value in store.named_parameters()},
@@ -224,12 +233,16 @@ def train(mode: str, optim_name: str, guide_name: str, size: int = N) -> dict[st
     }
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
-def test_plain_sgd_is_bitwise_the_dense_step(workers: int) -> None:
+@pytest.mark.parametrize(
+    ("workers", "optim_name"),
+    [(1, "sgd"), (2, "sgd"), (3, "sgd"), (2, "sgd-steplr"), (2, "sgd-clip")],
+)
+def test_plain_sgd_is_bitwise_the_dense_step(workers: int, optim_name: str) -> None:
     """SGD moves no row without gradient, so lazy and dense are the same numbers:
-    this pins the row gradients (two particles, AutoNormal) and their 1/W."""
-    dense = run_workers(train, "dense", "sgd", "auto", world_size=workers)
-    sparse = run_workers(train, "sparse", "sgd", "auto", world_size=workers)
+    this pins the row gradients (two particles, AutoNormal) and their 1/W, and
+    that schedulers and clip_args act on the sparse step as on the dense one."""
+    dense = run_workers(train, "dense", optim_name, "auto", world_size=workers)
+    sparse = run_workers(train, "sparse", optim_name, "auto", world_size=workers)
     for mine, reference in zip(sparse, dense, strict=True):
         assert mine["local"] == ["AutoNormal.locs.z", "AutoNormal.scales.z"]
         assert_same_state(mine["values"], reference["values"])
