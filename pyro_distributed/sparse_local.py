@@ -8,6 +8,8 @@ check over all of it. With ``local_updates="sparse"`` only the rows selected
 since the last optimizer step are touched, and every cost of a local
 parameter is O(rows selected):
 
+* **Draw.** :func:`draw_rows` picks each step's rows of the block in
+  O(batch) (the dense mode permutes the whole block to pick them).
 * **Forward.** :func:`select_rows` hands the model and guide the constrained
   value of a fresh small leaf tensor, ``leaf = unconstrained[rows]``, and
   remembers ``(rows, leaf)``. The param store's block tensor is not in the
