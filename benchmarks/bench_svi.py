@@ -93,7 +93,8 @@ def commands(config: Config, plan: Plan) -> list[list[str]]:
     """The command lines to start together for one run of ``config`` on ``plan``."""
     worker_args = [
         *(str(WORKER), "--workload", plan.workload, "--optim", config.optim),
-        *("--steps", str(plan.steps), "--warmup", str(plan.warmup)),
+        *("--steps", str(plan.steps * config.steps_scale)),
+        *("--warmup", str(plan.warmup * config.steps_scale)),
     ]
     copies = config.workers if config.launcher == "python" else 1
     return [[*launch_prefix(config), *worker_args] for _ in range(copies)]

@@ -54,6 +54,9 @@ class Config:
     baseline: str | None = None
     #: Runs only on plans that name it, not on those that take every configuration.
     named_only: bool = False
+    #: Times this many times the plan's steps: for a configuration so much
+    #: faster than the others that the plan's steps would time too little.
+    steps_scale: int = 1
 
     @property
     def needs_horovod(self) -> bool:
@@ -88,6 +91,16 @@ CONFIGS: tuple[Config, ...] = (
         workers=2,
         baseline="plain-x2",
         named_only=True,
+    ),
+    # Ownership with sparse local steps (local_updates="sparse"): O(batch) a step.
+    Config(
+        "ours-sparse-w2",
+        "ours-sparse",
+        "torchrun",
+        workers=2,
+        baseline="plain-x2",
+        named_only=True,
+        steps_scale=20,
     ),
 )
 
@@ -146,6 +159,7 @@ LOCAL_CONFIGS: tuple[str, ...] = (
     "plain",
     "ours-w2",
     "ours-owned-w2",
+    "ours-sparse-w2",
     "pyro-horovod-w2",
     "ddp-w2",
     "torch-ours-w2",
@@ -156,6 +170,7 @@ LOCAL_PLANS: tuple[Plan, ...] = (
     Plan("local100000", steps=30, warmup=5, configs=LOCAL_CONFIGS, main=False),
     Plan("local1000000", steps=10, warmup=3, configs=LOCAL_CONFIGS, main=False),
     Plan("local4000000", steps=5, warmup=2, configs=LOCAL_CONFIGS, main=False),
+    Plan("local10000000", steps=4, warmup=2, configs=LOCAL_CONFIGS, main=False),
 )
 
 

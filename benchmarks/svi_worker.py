@@ -78,6 +78,7 @@ OPTIMS = (
     "ours-pp",
     "ours-noise",
     "ours-owned",
+    "ours-sparse",
     "pyro-horovod",
     "ddp",
     # Pyro's torch-native loop: the ELBO module and one torch Adam, plain
@@ -371,7 +372,7 @@ def make_optimizer(name: str, options: dict[str, Any]) -> PyroOptim:
         return pyro_distributed.DistributedOptimizer(adam, multi_tensor=False, **options)
     if name == "ours-noise":
         return pyro_distributed.DistributedOptimizer(adam, noise_scale=True, **options)
-    if name == "ours-owned":
+    if name in ("ours-owned", "ours-sparse"):
         return pyro_distributed.DistributedOptimizer(adam, **options)
     if name == "pyro-horovod":
         return pyro.optim.HorovodOptimizer(adam)
@@ -410,11 +411,13 @@ def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -
     def step() -> float:
         # Our configurations shard the local workloads' subsamples across
         # workers; "ours-owned" also keeps each worker's block of local
-        # parameters only.
+        # parameters only, and "ours-sparse" steps only their selected rows.
         if not (optim_name.startswith("ours") and workload.sharded_plates):
             return svi.step(*workload.args)
-        owned = optim_name == "ours-owned"
-        with pyro_distributed.shard_subsamples(own_local_params=owned):
+        with pyro_distributed.shard_subsamples(
+            own_local_params=optim_name in ("ours-owned", "ours-sparse"),
+            local_updates="sparse" if optim_name == "ours-sparse" else "dense",
+        ):
             return svi.step(*workload.args)
 
     def held_bytes() -> int:

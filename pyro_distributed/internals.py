@@ -17,6 +17,7 @@ from typing import Any
 import pyro
 import torch
 from pyro.optim import PyroOptim
+from pyro.optim.optim import _load_state_dict
 from pyro.poutine.subsample_messenger import _Subsample
 from torch import Tensor
 from torch.distributed.distributed_c10d import PrefixStore as _PrefixStore
@@ -25,8 +26,10 @@ __all__ = [
     "PrefixStore",
     "Subsample",
     "attach_unconstrained",
+    "grad_clip_of",
     "grad_version",
     "init_optimizer_hooks",
+    "load_optimizer_state",
     "module_param",
     "param_constraint",
     "pop_waiting_state",
@@ -120,6 +123,18 @@ def single_optimizer(pyro_optim: PyroOptim, param: Tensor) -> torch.optim.Optimi
     """
     optimizer: torch.optim.Optimizer = pyro_optim._get_optim(param)
     return optimizer
+
+
+def grad_clip_of(pyro_optim: PyroOptim, param: Tensor) -> Any:
+    """The clipping function ``pyro_optim`` applies to ``param``'s gradient (or
+    ``None``), resolved from ``clip_args`` by Pyro's own code."""
+    return pyro_optim._get_grad_clip(param)  # type: ignore[arg-type]
+
+
+def load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
+    """Load ``state`` into a one-parameter optimizer (or scheduler) the way
+    ``PyroOptim.set_state`` does, which Pyro keeps in a private helper."""
+    _load_state_dict(optimizer, state)
 
 
 def pop_waiting_state(pyro_optim: PyroOptim, name: str | None) -> dict[str, Any] | None:

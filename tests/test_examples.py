@@ -149,10 +149,11 @@ def test_readme_quickstart_is_the_example() -> None:
 RANDOM_EFFECTS = ROOT / "examples" / "random_effects.py"
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_random_effects_example_recovers_the_effects(workers: int) -> None:
+@pytest.mark.parametrize(("workers", "local_updates"), [(1, "dense"), (2, "dense"), (2, "sparse")])
+def test_random_effects_example_recovers_the_effects(workers: int, local_updates: str) -> None:
     launcher = python_or_torchrun(workers)
-    output = run([*launcher, str(RANDOM_EFFECTS), "--groups=2000", "--batch=200", "--steps=1500"])
+    flags = ["--groups=2000", "--batch=200", "--steps=1500", f"--local-updates={local_updates}"]
+    output = run([*launcher, str(RANDOM_EFFECTS), *flags])
     assert output.count(f"worker 0 holds {2000 // workers} of 2000 groups' parameters") == 1
     match = re.search(r"correlation with the truth (\S+) \(at best (\S+)\)", output)
     assert match, output

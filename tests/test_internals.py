@@ -128,3 +128,72 @@ def test_prefix_store_prefixes_keys() -> None:
         prefixed = internals.PrefixStore("attempt1", base)
         prefixed.set("key", "value")
         assert base.get("attempt1/key") == b"value"
+
+
+def test_grad_clip_and_state_loading_are_pyro_optims_own() -> None:
+    with reaching("PyroOptim._get_grad_clip and pyro.optim.optim._load_state_dict"):
+        param = pyro.param("w", torch.zeros(2)).unconstrained()
+        optim = PyroOptim(torch.optim.SGD, {"lr": 0.5}, {"clip_norm": 1.0})
+        clip = internals.grad_clip_of(optim, param)
+        param.grad = torch.tensor([3.0, 4.0])
+        clip(param)
+        assert torch.allclose(param.grad.norm(), torch.tensor(1.0))
+        adam = torch.optim.Adam([param], lr=0.1)
+        adam.step()
+        fresh = torch.optim.Adam([param], lr=0.1)
+        internals.load_optimizer_state(fresh, adam.state_dict())
+        assert torch.equal(fresh.state[param]["exp_avg"], adam.state[param]["exp_avg"])
+
+
+def test_module_param_finds_a_pyro_modules_parameter_in_local_mode() -> None:
+    with reaching("the param message of a PyroModule in module_local_params mode"):
+        from pyro.nn import PyroModule, PyroParam
+
+        class Scaled(PyroModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.scale = PyroParam(torch.ones(3), constraint=constraints.positive)
+
+            def forward(self) -> torch.Tensor:
+                return self.scale
+
+        seen: list[object] = []
+
+        class Probe(pyro.poutine.messenger.Messenger):
+            def _pyro_param(self, msg: dict[str, object]) -> None:
+                seen.append(internals.module_param(msg))  # type: ignore[arg-type]
+
+        pyro.settings.set(module_local_params=True)
+        try:
+            module = Scaled()
+            with Probe():
+                module()
+        finally:
+            pyro.settings.set(module_local_params=False)
+        (found,) = seen
+        assert found is not None
+        tensor, constraint, in_graph = found  # type: ignore[misc]
+        assert tensor is module.scale_unconstrained
+        assert constraint is constraints.positive and in_graph
+
+
+def test_init_optimizer_hooks_make_an_optimizer_without_init_take_step_hooks() -> None:
+    with reaching("Optimizer's hook registries and _patch_step_function"):
+
+        class Sharing(torch.optim.SGD):
+            def __init__(self, other: torch.optim.Optimizer) -> None:  # no super().__init__
+                self.param_groups, self.state, self.defaults = (
+                    other.param_groups,
+                    other.state,
+                    other.defaults,
+                )
+                internals.init_optimizer_hooks(self)
+
+        param = torch.nn.Parameter(torch.ones(1))
+        sharing = Sharing(torch.optim.SGD([param], lr=1.0))
+        calls: list[str] = []
+        sharing.register_step_pre_hook(lambda *_: calls.append("pre"))
+        sharing.register_step_post_hook(lambda *_: calls.append("post"))
+        param.grad = torch.ones(1)
+        sharing.step()
+        assert calls == ["pre", "post"] and torch.equal(param.detach(), torch.zeros(1))

@@ -39,7 +39,7 @@ from .. import runtime
 from ..checks import check_bool
 from ..errors import PyroDistributedError
 from ..internals import Subsample, module_param
-from ..local import registry, store
+from ..local import registry, sparse, store
 from ..partition import block_range
 from ..seeding import block_generator, shared_generator
 from .plates import shard_lengths
@@ -65,6 +65,12 @@ class shard_subsamples(Messenger):
         values the replicated path computes. Read them with
         :func:`~pyro_distributed.gather_param` and
         :func:`~pyro_distributed.local_rows`.
+    :param local_updates: how ``own_local_params`` steps the local parameters:
+        ``"dense"`` (default) every row of the block at every step, as
+        before; ``"sparse"`` only the rows selected since the last step, at
+        O(batch) cost instead of O(N/W), with the lazy semantics of
+        ``torch.optim.SparseAdam`` (:mod:`pyro_distributed.local.sparse`,
+        rules in :mod:`pyro_distributed.optim.sparse_step`).
 
     Example::
 
@@ -73,7 +79,15 @@ class shard_subsamples(Messenger):
             with pd.shard_subsamples():
                 loss = svi.step(data)
 
-    :raises ValueError: when ``world_size * subsample_size`` exceeds a plate's
+    Sparse local steps, the same loop::
+
+        with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
+            loss = svi.step(data)
+
+    :raises TypeError: when ``local_updates`` is not a string.
+    :raises ValueError: when ``local_updates`` is neither ``"dense"`` nor
+        ``"sparse"``, or is ``"sparse"`` without ``own_local_params=True``;
+        when ``world_size * subsample_size`` exceeds a plate's
         size; under ``by_block``, when ``subsample_size`` exceeds a block or a
         ``subsample=`` index lies outside this worker's block; under
         ``own_local_params``, when a local parameter has neither the plate's
@@ -104,12 +118,28 @@ class shard_subsamples(Messenger):
         valid for a row only one worker uses; to reproduce the replicated run
         bitwise, initialise them deterministically (AutoNormal's default
         ``init_to_feasible`` is; ``init_to_median`` draws at random).
+
+    .. warning::
+        ``local_updates="sparse"`` is lazy: rows outside a step's batch keep
+        their values and optimizer state (no moment decay, no momentum, no
+        weight decay), and bias correction counts the parameter's steps. It
+        steps Adam, AdamW, ClippedAdam and SGD and refuses other optimizers
+        with a ``ValueError`` at the first step
+        (:mod:`pyro_distributed.optim.sparse_step` states each rule).
     """
 
-    def __init__(self, *, by_block: bool = False, own_local_params: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        by_block: bool = False,
+        own_local_params: bool = False,
+        local_updates: sparse.LocalUpdates = "dense",
+    ) -> None:
         super().__init__()
         check_bool("shard_subsamples: by_block", by_block)
         check_bool("shard_subsamples: own_local_params", own_local_params)
+        # "dense" (default) or "sparse" (pyro_distributed.local.sparse).
+        self.local_updates = sparse.check_local_updates(local_updates, own_local_params)
         self.own_local_params = own_local_params
         self.by_block = by_block or own_local_params
         # plate name -> (size, this step's global indices) for plates drawn by block
@@ -152,7 +182,10 @@ class shard_subsamples(Messenger):
                     f"plate {name!r}: subsample_size {per_worker} exceeds worker "
                     f"{runtime.rank()}'s block of {len(block)} of its {size} rows"
                 )
-            draw = torch.randperm(len(block), generator=block_generator())[:per_worker]
+            if self.local_updates == "sparse":  # [sparse-local] O(batch), not O(N/W)
+                draw = sparse.draw_rows(len(block), per_worker, block_generator())
+            else:
+                draw = torch.randperm(len(block), generator=block_generator())[:per_worker]
             msg["value"] = (draw + block.start).to(fn.device)
         indices = torch.as_tensor(msg["value"])
         outside = indices[(indices < block.start) | (indices >= block.stop)]
@@ -211,6 +244,17 @@ class shard_subsamples(Messenger):
             registry.register(param, tensor, constraint)
         else:
             store.create(param, init, constraint, tensor)
+        if self.local_updates == "sparse":
+            if tensor is not None:
+                raise ValueError(
+                    f"local parameter {name!r} lives on a PyroModule (module_local_params): "
+                    f"local_updates='sparse' steps parameters of Pyro's param store (the SVI "
+                    f"path); step module parameters with local_updates='dense'"
+                )
+            # The selected rows in a small leaf of their own.
+            msg["value"] = sparse.select_rows(param, indices)
+            msg["kwargs"] = {**msg["kwargs"], "event_dim": None}
+            return
         value = store.select_rows(param, indices, self.own_local_params, tensor, constraint)
         if cut and in_graph and value.requires_grad:
             value.register_hook(_cut_in_this_call(name))  # type: ignore[no-untyped-call]

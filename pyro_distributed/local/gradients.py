@@ -78,8 +78,12 @@ class LocalGradients:
         self._engine = engine
         self._agreed: set[str] = set()
 
-    def prepare(self, params: Mapping[str, Tensor]) -> bool:
+    def prepare(self, params: Mapping[str, Tensor], also_finite: bool = True) -> bool:
         """Scale the gradients by 1/W; return whether every worker's are finite.
+
+        ``also_finite``: whether this worker's gradients checked elsewhere
+        (sparse local rows, :mod:`pyro_distributed.optim.sparse_step`) are
+        finite; it joins the same reduction, so that a step costs one either way.
 
         The first time a local parameter reaches the optimizer, the workers
         compare its plate (a collective); a different size on some worker is
@@ -91,7 +95,7 @@ class LocalGradients:
         if fresh:
             _check_plates_agree(self._engine, {name: registered(name) for name in fresh})
             self._agreed.update(fresh)
-        finite = scale_local_grads(params, self._engine.world_size)
+        finite = scale_local_grads(params, self._engine.world_size) and also_finite
         flag = torch.tensor([int(not finite)], dtype=torch.int64)
         self._engine.allreduce_([flag], op="max")
         return not bool(flag.item())

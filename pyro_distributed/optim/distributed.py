@@ -35,6 +35,7 @@ from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .options import check_options, make_sync, start_engine
 from .schedulers import step_schedulers
+from .sparse_step import SparseStepper
 from .step_guards import refuse_nonfinite
 from .torch_optimizer import DistributedTorchOptimizer
 
@@ -216,6 +217,8 @@ class DistributedOptimizer(PyroOptim):
         #: ``bucket_count``) show how gradients travel.
         self.sync = make_sync(engine, bucket_cap_mb, reduction, overlap, self._noise, "param store")
         self._local = LocalGradients(engine)
+        # Steps the rows of local_updates="sparse" parameters (optim.sparse_step).
+        self._sparse = SparseStepper(pyro_optim)
 
     @property
     def grouped(self) -> bool:
@@ -237,23 +240,33 @@ class DistributedOptimizer(PyroOptim):
             (a set), or a list or ``dict.values()``.
         """
         self.num_steps += 1
+        # Parameters read under local_updates="sparse" leave here: they have
+        # row gradients, not a .grad (pyro_distributed.local.sparse).
+        params, sparse = self._sparse.take(params)
         if self.sync is None:
             self._step_wrapped(params, *args, **kwargs)
+            self._sparse.step(sparse)
             return
         replicated, local = split_local(_by_store_name(params))
         exchanged = self.sync.exchange(replicated, _param_store)
         finite = exchanged.finite
-        if local:
-            finite = self._local.prepare(local) and finite
+        if local or sparse:
+            # The sparse rows' finite check joins the same one-element reduction.
+            rows_finite = self._sparse.prepare(sparse, self.engine.world_size)
+            owned = {**local, **{rows.name: rows.tensor for rows in sparse}}
+            finite = self._local.prepare(owned, rows_finite) and finite
         stepped = [*exchanged.tensors, *local.values()]
         if finite:
             if self._noise is not None and exchanged.tensors:  # before the wrapped optimizer clips
                 self._noise.observe(*self.sync.squared_norms())
             self._step_wrapped(stepped, *args, **kwargs)
+            self._sparse.step(sparse)
         else:
             store = pyro.get_param_store()
             named = [(store.param_name(p) or "?", p) for p in stepped]
-            refuse_nonfinite(named, self.num_steps, self.nonfinite)
+            refuse_nonfinite(
+                named, self.num_steps, self.nonfinite, extra=self._sparse.nonfinite(sparse)
+            )
         exchanged.release_borrowed()
         if self.check_every and self.num_steps % self.check_every == 0:
             assert_in_sync(self)
@@ -300,6 +313,7 @@ class DistributedOptimizer(PyroOptim):
             self.sync.forget()
         if self._stepper is not None:
             self._stepper.forget()
+        self._sparse.forget()
 
     def checked_tensors(self) -> dict[str, Tensor]:
         """The parameters that must be identical on every worker: the param store."""

@@ -31,14 +31,16 @@ def refuse_nonfinite(
     step: int,
     mode: Literal["skip", "raise"],
     stacklevel: int = 4,
+    extra: Sequence[str] = (),
 ) -> None:
     """Skip the step with a :class:`RuntimeWarning` (or raise), naming the
-    parameters whose gradient is not finite; the same on every worker."""
+    parameters whose gradient is not finite (and ``extra`` ones, whose
+    gradients are held elsewhere); the same on every worker."""
     bad = [
         name
         for name, param in named
         if param.grad is not None and not bool(torch.isfinite(param.grad).all())
-    ]
+    ] + list(extra)
     message = (
         f"the averaged gradient of {', '.join(map(repr, bad[:5]))}"
         f"{f' and {len(bad) - 5} more' if len(bad) > 5 else ''} is not finite "

@@ -1,0 +1,278 @@
+"""Sparse local steps: owned local parameters cost O(batch) per step, not O(N/W).
+
+Under ``pd.shard_subsamples(own_local_params=True)`` worker r holds block r of
+every local parameter (:mod:`pyro_distributed.local`), but a dense step
+still reads and writes all N/W rows of the block: a dense gradient that is
+zero outside the batch, the optimizer's moment decay on every row, the finite
+check over all of it. With ``local_updates="sparse"`` only the rows selected
+since the last optimizer step are touched, and every cost of a local
+parameter is O(rows selected):
+
+* **Draw.** :func:`draw_rows` picks each step's rows of the block in
+  O(batch) (the dense mode permutes the whole block to pick them).
+* **Forward.** :func:`select_rows` hands the model and guide the constrained
+  value of a fresh small leaf tensor, ``leaf = unconstrained[rows]``, and
+  remembers ``(rows, leaf)``. The param store's block tensor is not in the
+  autograd graph, so backward gives it no gradient (its ``.grad`` stays
+  ``None``) and writes the batch's gradient into the leaf instead.
+* **Gradient.** SVI still finds the block tensor (the value carries it, as
+  Pyro's own plates arrange) and passes it to the optimizer.
+  :func:`take_gradients` turns the recorded leaves into one
+  :class:`RowGradients`: the distinct rows, sorted, and their summed
+  gradient. A row selected twice (several particles, a ``subsample=`` with
+  repeats, two reads of the parameter in one step) gets the sum of its
+  gradients, as the dense gradient would hold.
+* **Step.** :class:`~pyro_distributed.optim.sparse_step.SparseStepper` scales the
+  rows by 1/W, checks them for NaN/Inf and applies the lazy update of
+  :mod:`pyro_distributed.optim.sparse_step` to those rows of the parameter and of
+  its optimizer state, which keeps the dense format (full-block ``exp_avg``
+  and ``exp_avg_sq``, a ``step`` count), so checkpoints, elastic
+  re-partitioning, ``get_state``/``set_state``, :func:`~pyro_distributed.gather_param`
+  and :func:`~pyro_distributed.local_rows` work unchanged.
+
+Global parameters are stepped as always. The default, ``local_updates="dense"``,
+is exactly the behaviour without this module.
+
+Example::
+
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}))
+    svi = SVI(model, guide, optim, Trace_ELBO())
+    for step in range(num_steps):
+        with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
+            svi.step(data)
+
+.. warning::
+    The sparse step is *lazy*, like ``torch.optim.SparseAdam``: a row that
+    is not in a step's batch keeps its value and its optimizer state (no
+    moment decay, no momentum, no weight decay), so the result differs from
+    the dense step with Adam or momentum, and is meant to. See
+    :mod:`pyro_distributed.optim.sparse_step` for each optimizer's rule and the
+    optimizers and options it refuses.
+
+.. warning::
+    Rows are recorded when a local parameter is read with gradients enabled,
+    and consumed by the next optimizer step. Read local parameters for a
+    step only inside ``svi.step`` (or before the call to the optimizer that
+    follows); a gradient computed by your own ``backward()`` on them reaches
+    the leaves and is stepped at the next optimizer call.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import pyro
+import torch
+from torch import Tensor
+from torch.distributions import transform_to
+
+from ..errors import PyroDistributedError
+from ..internals import attach_unconstrained, param_constraint, stored_unconstrained
+from .registry import LocalParam
+
+__all__ = [
+    "LOCAL_UPDATES",
+    "LocalUpdates",
+    "RowGradients",
+    "check_local_updates",
+    "draw_rows",
+    "forget",
+    "pending_reads",
+    "select_rows",
+    "take_gradients",
+]
+
+LocalUpdates = Literal["dense", "sparse"]
+#: The values ``shard_subsamples(local_updates=...)`` accepts.
+LOCAL_UPDATES: tuple[str, ...] = ("dense", "sparse")
+
+
+def check_local_updates(local_updates: object, own_local_params: bool) -> LocalUpdates:
+    """``local_updates`` if it is valid with ``own_local_params``; else an error naming it.
+
+    :raises TypeError: when it is not a string.
+    :raises ValueError: when it is neither ``"dense"`` nor ``"sparse"``, or
+        ``"sparse"`` without ``own_local_params=True`` (only owned rows can be
+        stepped alone: replicated rows are averaged in full).
+    """
+    if not isinstance(local_updates, str):
+        raise TypeError(
+            f"shard_subsamples: local_updates must be 'dense' or 'sparse', "
+            f"got {type(local_updates).__name__} {local_updates!r}"
+        )
+    if local_updates == "dense":
+        return "dense"
+    if local_updates != "sparse":
+        raise ValueError(
+            f"shard_subsamples: local_updates must be 'dense' or 'sparse', got {local_updates!r}"
+        )
+    if not own_local_params:
+        raise ValueError(
+            "shard_subsamples: local_updates='sparse' needs own_local_params=True "
+            "(only rows a worker owns can be stepped without the others)"
+        )
+    return "sparse"
+
+
+#: Below this many block rows per drawn row, one permutation of the block is
+#: cheaper than rejecting repeats, and it is what the dense mode draws.
+PERMUTE_BELOW = 64
+
+
+def draw_rows(length: int, count: int, generator: torch.Generator) -> Tensor:
+    """``count`` distinct rows of ``range(length)``, uniformly at random, in O(count).
+
+    The dense mode draws ``torch.randperm(length)[:count]``, O(length): at
+    N = 10^6 and W = 2 that permutation of 500,000 rows alone costs more than
+    the rest of a sparse step. Here rows are drawn with replacement and a row
+    seen before is drawn again, in rounds, keeping first sightings in order:
+    the same as drawing one row at a time from those not yet drawn, so every
+    ordered choice of ``count`` distinct rows is equally likely. The expected
+    work is O(count) while ``count`` is a small fraction of ``length``; for
+    a large fraction (``length < PERMUTE_BELOW * count``) the permutation is
+    cheap, and used, so that a batch of a whole block draws as the dense mode does.
+    """
+    if length < PERMUTE_BELOW * count:
+        return torch.randperm(length, generator=generator)[:count]
+    chosen = torch.randint(length, (count,), generator=generator)
+    while True:
+        distinct, position = torch.unique(chosen, return_inverse=True)
+        if len(distinct) == len(chosen):
+            return chosen
+        # The first sighting of each row, in the order drawn.
+        order = torch.arange(len(chosen))
+        first = torch.full((len(distinct),), len(chosen)).scatter_reduce_(
+            0, position, order, reduce="amin"
+        )
+        kept = chosen[first.sort().values]
+        fresh = torch.randint(length, (count - len(kept),), generator=generator)
+        chosen = torch.cat([kept, fresh])
+
+
+@dataclass
+class _Uses:
+    """The rows of one local parameter read since its last step, and their leaves."""
+
+    tensor: weakref.ref[Tensor]
+    param: LocalParam
+    uses: list[tuple[Tensor, Tensor]]
+
+
+# Param-store name -> the reads waiting for the next optimizer step.
+_pending: dict[str, _Uses] = {}
+
+
+def pending_reads(name: str) -> list[tuple[Tensor, Tensor]]:
+    """The reads of ``name`` waiting for the next step: (block-relative rows, the
+    leaf they were handed out as). For diagnostics and tests; do not edit them."""
+    entry = _pending.get(name)
+    return [] if entry is None else list(entry.uses)
+
+
+def select_rows(param: LocalParam, indices: Tensor) -> Tensor:
+    """The constrained rows ``indices`` (global) of an owned parameter, for a sparse step.
+
+    Like :func:`pyro_distributed.local.store.select_rows`, but the rows are
+    copied into a new leaf tensor first: backward then fills the leaf's
+    small gradient and leaves the block tensor's ``.grad`` alone. Outside
+    gradient recording (``torch.no_grad()``, as in ``Predictive``) nothing is
+    recorded. The value still carries the block tensor (``.unconstrained``),
+    which is how SVI finds the parameters to hand to the optimizer.
+    """
+    # Not store[name]: that would constrain every row of the block.
+    unconstrained = stored_unconstrained(param.name)
+    if unconstrained is None:
+        raise KeyError(f"no parameter named {param.name!r} in the param store")
+    rows = (indices - param.rows.start).to(unconstrained.device)
+    axis = param.axis % unconstrained.dim()
+    selected = unconstrained.detach().index_select(axis, rows)
+    if torch.is_grad_enabled():
+        selected.requires_grad_(True)
+        entry = _pending.get(param.name)
+        if entry is None or entry.tensor() is not unconstrained:
+            entry = _pending[param.name] = _Uses(weakref.ref(unconstrained), param, [])
+        entry.uses.append((rows, selected))
+    value: Tensor = transform_to(param_constraint(param.name))(selected)
+    attach_unconstrained(value, unconstrained)
+    return value
+
+
+@dataclass
+class RowGradients:
+    """One local parameter's gradient on the rows selected since its last step.
+
+    :param name: the param-store name.
+    :param tensor: the param store's block tensor (unconstrained).
+    :param axis: the plate's axis in ``tensor`` (non-negative).
+    :param rows: the distinct rows (block-relative), sorted.
+    :param grad: their summed gradient: ``tensor``'s shape with ``len(rows)``
+        along ``axis``.
+    """
+
+    name: str
+    tensor: Tensor
+    axis: int
+    rows: Tensor
+    grad: Tensor
+
+
+def take_gradients(params: list[Tensor]) -> tuple[list[Tensor], list[RowGradients]]:
+    """Split ``params`` into (the rest, the row gradients of sparse local parameters).
+
+    Consumes the reads recorded for each parameter. A sparse parameter read
+    without a gradient (its loss term did not depend on it) is left out of
+    both, as the dense optimizer skips a parameter whose ``.grad`` is ``None``.
+    """
+    if not _pending:
+        return params, []
+    store = pyro.get_param_store()
+    rest: list[Tensor] = []
+    sparse: list[RowGradients] = []
+    for tensor in params:
+        name = store.param_name(tensor)
+        entry = _pending.get(name) if name is not None else None
+        if name is None or entry is None or entry.tensor() is not tensor:
+            rest.append(tensor)
+            continue
+        del _pending[name]
+        gradients = _summed(name, tensor, entry)
+        if gradients is not None:
+            sparse.append(gradients)
+    # Reads of parameters that have since been replaced (a checkpoint load,
+    # pyro.clear_param_store()) can never be stepped.
+    for name in [n for n, e in _pending.items() if e.tensor() is not stored_unconstrained(n)]:
+        del _pending[name]
+    return rest, sparse
+
+
+def _summed(name: str, tensor: Tensor, entry: _Uses) -> RowGradients | None:
+    if tensor.grad is not None:
+        raise PyroDistributedError(
+            f"local parameter {name!r} has a dense gradient under local_updates='sparse': "
+            f"read it only through its plate inside shard_subsamples(local_updates='sparse')"
+        )
+    axis = entry.param.axis % tensor.dim()
+    pieces = [(rows, leaf.grad) for rows, leaf in entry.uses if leaf.grad is not None]
+    if not pieces:
+        return None
+    rows = torch.cat([rows for rows, _ in pieces])
+    grads = torch.cat([grad for _, grad in pieces], dim=axis)
+    distinct, position = torch.unique(rows, sorted=True, return_inverse=True)
+    shape = list(grads.shape)
+    shape[axis] = len(distinct)
+    # Summed in the order the reads happened, as autograd accumulates a dense
+    # gradient: a row read once gets exactly its leaf's gradient (0 + g = g).
+    summed = grads.new_zeros(shape).index_add_(axis, position, grads)
+    return RowGradients(name, tensor, axis, distinct, summed)
+
+
+def forget(names: Iterable[str] | None = None) -> None:
+    """Drop the recorded reads (of ``names``, or all): their parameters were replaced."""
+    if names is None:
+        _pending.clear()
+        return
+    for name in names:
+        _pending.pop(name, None)

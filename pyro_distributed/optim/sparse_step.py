@@ -1,0 +1,232 @@
+"""The lazy optimizer step of ``shard_subsamples(local_updates="sparse")``.
+
+:mod:`pyro_distributed.local.sparse` gives each sparse local parameter the
+distinct rows R selected since its last step and their summed gradient g
+(already scaled by 1/W, as ownership scales dense local gradients). The step
+here changes those rows only, of the parameter and of its optimizer state,
+and leaves every other row bitwise as it was: the *lazy* semantics of
+``torch.optim.SparseAdam`` and TensorFlow's LazyAdam, which is also what
+Hoffman et al.'s stochastic variational inference does with local
+parameters. Its cost is O(|R|), never O(N/W).
+
+On the rows of R, each optimizer applies its own dense update formula,
+evaluated by the wrapped torch optimizer itself on a small tensor holding
+those rows (and those rows of its state), so every hyper-parameter means
+what it means for the dense step. The rules, with t the parameter's step
+count:
+
+* **t is global**: the number of optimizer steps in which the parameter had
+  any row selected, kept in the optimizer's ``state["step"]`` as the dense
+  step keeps it, not a count per row. Bias correction uses it, as
+  ``torch.optim.SparseAdam`` does.
+* **Adam** (``pyro.optim.Adam``, torch's formula): for each row r in R,
+  ``m_r = b1 m_r + (1 - b1) g_r``, ``v_r = b2 v_r + (1 - b2) g_r^2`` and
+  ``p_r -= lr / (1 - b1^t) * m_r / (sqrt(v_r) / sqrt(1 - b2^t) + eps)``.
+  ``weight_decay`` (L2) adds ``weight_decay * p_r`` to g_r for r in R only;
+  with ``decoupled_weight_decay=True`` it is AdamW's rule below.
+* **AdamW**: as Adam, after ``p_r *= 1 - lr * weight_decay`` for r in R only:
+  rows outside the batch do not decay.
+* **ClippedAdam** (Pyro's): g_r is clamped to ``[-clip_norm, clip_norm]``
+  elementwise, ``lr`` is multiplied by ``lrd`` once per optimizer step (as
+  the dense step does, whichever rows were selected), ``weight_decay`` and
+  ``centered_variance`` act on rows of R only, and the update is
+  ``p_r -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m_r / (sqrt(v_r) + eps)``:
+  ClippedAdam's formula, which is also torch's SparseAdam's.
+* **SGD**: ``p_r -= lr * g_r`` for r in R (``weight_decay`` adds
+  ``weight_decay * p_r`` for r in R only). With momentum mu, the buffer of
+  r in R becomes ``mu * b_r + g_r`` (Nesterov: the step uses
+  ``g_r + mu * b_r``); buffers of other rows neither decay nor move their
+  row. A row's buffer starts at zero, so its first step sets it to g_r, as
+  torch's first step does. Without momentum or weight decay, sparse and
+  dense SGD give bitwise the same numbers: a row without gradient does not
+  move.
+* ``clip_args`` (``clip_norm`` / ``clip_value``): computed on the rows of R,
+  which is exactly the dense result, as every other row's gradient is zero.
+* Schedulers (``PyroLRScheduler``) change ``lr`` between steps as usual.
+
+Compared with ``torch.optim.SparseAdam``: the same rows, moments and step
+count change; Adam and AdamW put ``eps`` where torch's dense Adam puts it
+(inside the bias correction), SparseAdam where ClippedAdam puts it.
+
+.. warning::
+    Only these rules exist. Any other optimizer (RMSprop, Adagrad, NAdam,
+    ...) and the options ``amsgrad``, ``maximize``, ``capturable``,
+    ``differentiable``, ``fused`` and SGD's ``dampening`` are refused at the
+    first sparse step with a :class:`ValueError` naming them; use
+    ``local_updates="dense"`` for those.
+
+.. warning::
+    Lazy is not dense: with Adam or momentum the parameters differ from the
+    dense step's (a dense Adam keeps moving every row with its decaying
+    moments). Both converge to the same optimum in SVI; compare them on your
+    model before switching a long run.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from pyro.optim import PyroOptim
+from pyro.optim.clipped_adam import ClippedAdam
+from torch import Tensor
+
+from ..internals import grad_clip_of, load_optimizer_state, pop_waiting_state, single_optimizer
+from ..local import sparse as sparse_local
+from ..local.sparse import RowGradients
+
+__all__ = ["SUPPORTED", "SparseStepper", "refusal"]
+
+#: The optimizers with a lazy rule (see the module docstring).
+SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    ClippedAdam,
+    torch.optim.SGD,
+)
+_REFUSED_OPTIONS: dict[type[torch.optim.Optimizer], tuple[str, ...]] = {
+    torch.optim.Adam: ("amsgrad", "maximize", "capturable", "differentiable", "fused"),
+    torch.optim.AdamW: ("amsgrad", "maximize", "capturable", "differentiable", "fused"),
+    ClippedAdam: (),
+    torch.optim.SGD: ("maximize", "differentiable", "fused"),
+}
+
+
+def refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the sparse step cannot step ``optimizer``, or ``None`` if it can."""
+    kind = type(optimizer)
+    name = kind.__name__
+    if kind not in _REFUSED_OPTIONS:
+        return (
+            f"local_updates='sparse' has no lazy rule for the optimizer {name}; it steps "
+            f"{', '.join(k.__name__ for k in SUPPORTED)} (use local_updates='dense' for {name})"
+        )
+    if len(optimizer.param_groups) != 1 or len(optimizer.param_groups[0]["params"]) != 1:
+        return f"local_updates='sparse' steps one parameter per {name}, as PyroOptim makes them"
+    group = optimizer.param_groups[0]
+    bad = [option for option in _REFUSED_OPTIONS[kind] if group.get(option)]
+    if kind is torch.optim.SGD and group["momentum"] and group["dampening"]:
+        bad.append(f"dampening={group['dampening']!r}")
+    if bad:
+        return (
+            f"local_updates='sparse' does not implement {name} with {', '.join(bad)}; "
+            f"leave them out or use local_updates='dense'"
+        )
+    return None
+
+
+class SparseStepper:
+    """Steps sparse local parameters on their selected rows, for one ``PyroOptim``.
+
+    The optimizer state lives where the dense step keeps it: in the torch
+    optimizer that ``pyro_optim`` holds for the parameter (``optim_objs``),
+    in the same format, so that ``get_state``/``set_state`` and checkpoints
+    see nothing different.
+    """
+
+    def __init__(self, pyro_optim: PyroOptim) -> None:
+        self._pyro_optim = pyro_optim
+        self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    def take(self, params: Any) -> tuple[list[Tensor], list[RowGradients]]:
+        """Split ``params`` into (the rest, the sparse local parameters' row gradients).
+
+        Makes each sparse parameter's torch optimizer if it has none yet (taking
+        state waiting from ``set_state``, as ``PyroOptim`` does) and refuses an
+        optimizer without a lazy rule, before anything is stepped.
+        """
+        rest, sparse = sparse_local.take_gradients(list(params))
+        for gradients in sparse:
+            self._optimizer(gradients)
+        return rest, sparse
+
+    def prepare(self, sparse: list[RowGradients], world_size: int) -> bool:
+        """Scale the row gradients by 1/W; return whether all are finite (O(rows)).
+
+        1/W is what ownership multiplies a dense local gradient by (averaging
+        with W-1 zeros), and the same bits: a product by the same float.
+        """
+        factor = 1.0 / world_size
+        finite = True
+        for gradients in sparse:
+            gradients.grad.mul_(factor)
+            finite = finite and bool(torch.isfinite(gradients.grad).all())
+        return finite
+
+    @staticmethod
+    def nonfinite(sparse: list[RowGradients]) -> list[str]:
+        """The names of the parameters whose row gradient holds NaN or Inf."""
+        return [g.name for g in sparse if not bool(torch.isfinite(g.grad).all())]
+
+    def step(self, sparse: list[RowGradients]) -> None:
+        """Apply the lazy update to each parameter's selected rows."""
+        for gradients in sparse:
+            self._step_rows(gradients)
+
+    def forget(self) -> None:
+        """Forget the optimizers checked (after ``optim_objs`` was cleared)."""
+        self._checked = weakref.WeakSet()
+        sparse_local.forget()
+
+    def _optimizer(self, gradients: RowGradients) -> torch.optim.Optimizer:
+        pyro_optim, param = self._pyro_optim, gradients.tensor
+        held = pyro_optim.optim_objs.get(param)
+        if held is None:
+            # As PyroOptim.__call__ makes one, so that state and format agree.
+            held = pyro_optim.optim_objs[param] = single_optimizer(pyro_optim, param)
+            pyro_optim.grad_clip[param] = grad_clip_of(pyro_optim, param)
+            waiting = pop_waiting_state(pyro_optim, gradients.name)
+            if waiting is not None:
+                load_optimizer_state(held, waiting)
+        optimizer: torch.optim.Optimizer = (
+            held if isinstance(held, torch.optim.Optimizer) else held.optimizer
+        )
+        if optimizer not in self._checked:
+            reason = refusal(optimizer)
+            if reason is not None:
+                raise ValueError(f"local parameter {gradients.name!r}: {reason}")
+            self._checked.add(optimizer)
+        return optimizer
+
+    def _step_rows(self, gradients: RowGradients) -> None:
+        param, axis, rows = gradients.tensor, gradients.axis, gradients.rows
+        optimizer = self._optimizer(gradients)
+        state = optimizer.state[param]
+        group = optimizer.param_groups[0]
+        # The selected rows as a parameter of their own, with those rows of
+        # the state: the optimizer's own update on them is the lazy update.
+        rows_param = param.detach().index_select(axis, rows).requires_grad_(True)
+        rows_param.grad = gradients.grad
+        clip = self._pyro_optim.grad_clip.get(param)
+        if clip is not None:
+            clip(rows_param)
+        optimizer.state[rows_param] = {
+            key: _rows(value, param, axis, rows) for key, value in state.items()
+        }
+        group["params"] = [rows_param]
+        try:
+            optimizer.step()
+        finally:
+            group["params"] = [param]
+            stepped = optimizer.state.pop(rows_param)
+        with torch.no_grad():
+            param.index_copy_(axis, rows, rows_param)
+        for key, value in stepped.items():
+            if isinstance(value, Tensor) and value.dim() and value.shape == rows_param.shape:
+                full = state.get(key)
+                if not isinstance(full, Tensor) or full.shape != param.shape:
+                    # First step: the dense step's zero-initialised state
+                    # (exp_avg, exp_avg_sq, momentum_buffer), one allocation.
+                    full = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state[key] = full
+                full.index_copy_(axis, rows, value)
+            else:
+                state[key] = value  # the step count (shared, or a new int)
+
+
+def _rows(value: Any, param: Tensor, axis: int, rows: Tensor) -> Any:
+    """``value``'s selected rows if it is per-element state of ``param``, else ``value``."""
+    if isinstance(value, Tensor) and value.dim() and value.shape == param.shape:
+        return value.index_select(axis, rows)
+    return value
