@@ -307,7 +307,7 @@ class MPIEngine(Engine):
                 )
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor)
-            return host, lambda: tensor.copy_(host)
+            return host, _copier(tensor, host)
         if device != "cpu":
             raise PyroDistributedError(
                 f"{what}: a {device} tensor cannot travel on the mpi engine, which carries "
@@ -359,7 +359,9 @@ class MPIEngine(Engine):
 
     def broadcast_(self, tensors: Sequence[Tensor], src: int = 0) -> None:
         if not 0 <= src < self._world_size:
-            raise ValueError(f"broadcast source {src} does not exist: world size is {self._world_size}")
+            raise ValueError(
+                f"broadcast source {src} does not exist: world size is {self._world_size}"
+            )
         what = f"broadcast from worker {src} of {len(tensors)} tensor(s)"
         staged = [self._on_host(tensor, what) for tensor in tensors]
         with self._collective(what):
@@ -428,7 +430,14 @@ def _contiguous(tensor: Tensor) -> tuple[Tensor, Callable[[], None] | None]:
     if tensor.is_contiguous():
         return tensor, None
     dense = tensor.contiguous()
-    return dense, lambda: tensor.copy_(dense)
+    return dense, _copier(tensor, dense)
+
+
+def _copier(destination: Tensor, source: Tensor) -> Callable[[], None]:
+    def copy_back() -> None:
+        destination.copy_(source)
+
+    return copy_back
 
 
 def _has(lost: list[str]) -> str:
