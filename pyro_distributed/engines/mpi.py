@@ -15,9 +15,10 @@ Design:
   Every collective here is non-blocking (``Iallreduce``, ``Ibcast``,
   ``Iallgatherv``, ``Ibarrier``, ``Idup``) and waited for by testing it
   until a deadline: a peer on this machine whose process has exited is named
-  within half a second, and anything else raises
-  :class:`~pyro_distributed.PyroDistributedError` after the time-out, naming
-  the collective. The engine is then broken (a started collective can never
+  within about a second (where the launcher leaves the survivors running;
+  MPICH's ``mpiexec`` stops the job itself and names the dead PID), and
+  anything else raises :class:`~pyro_distributed.PyroDistributedError` after
+  the time-out, naming the collective. The engine is then broken (a started collective can never
   be cancelled), so :meth:`MPIEngine.shutdown`, which also runs at exit, ends
   the whole job with ``MPI_Abort``: ``mpirun`` exits non-zero instead of
   hanging in a peer's collective or in ``MPI_Finalize``. A script that dies
@@ -68,7 +69,7 @@ _LAUNCHER_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COM
 _LIVENESS_INTERVAL = 0.5
 #: Spin on the request this long (a small all-reduce takes microseconds), then
 #: yield the core, then sleep: an oversubscribed machine needs the core back.
-_SPIN_S, _YIELD_S, _SLEEP_S = 2e-4, 1e-2, 1e-3
+_SPIN_S, _YIELD_S, _SLEEP_S = 2e-4, 1e-2, 2e-4
 
 
 def import_mpi() -> ModuleType:
