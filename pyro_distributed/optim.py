@@ -60,7 +60,7 @@ class DistributedOptimizer(PyroOptim):
     :param pyro_optim: the optimizer to distribute, for example
         ``pyro.optim.Adam({"lr": 0.01})``, a ``PyroLRScheduler``, or
         ``ClippedAdam``. It is used, not copied: keep using it if you like.
-    :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"``,
+    :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"``, ``"mpi"``,
         ``"local"``, or a running :class:`~pyro_distributed.engines.Engine`.
         A name starts the engine with :func:`pyro_distributed.init` if needed.
     :param bucket_cap_mb: largest fused gradient buffer, in MiB.

@@ -68,8 +68,10 @@ _LAUNCHER_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COM
 #: How often a waiting worker looks for peers on its machine that have exited.
 _LIVENESS_INTERVAL = 0.5
 #: Spin on the request this long (a small all-reduce takes microseconds), then
-#: yield the core, then sleep: an oversubscribed machine needs the core back.
-_SPIN_S, _YIELD_S, _SLEEP_S = 2e-4, 1e-2, 2e-4
+#: yield the core at every test, so that a peer sharing it can run; sleep
+#: between tests only after a second. MPI moves a large message in chunks,
+#: each when both sides test: sleeping earlier stretches every transfer.
+_SPIN_S, _YIELD_S, _SLEEP_S = 2e-4, 1.0, 1e-3
 
 
 def import_mpi() -> ModuleType:
@@ -158,6 +160,16 @@ class MPIEngine(Engine):
         self.MPI = MPI = import_mpi()
         self._health = _Health()
         self._staging_announced = False
+        self._types = {
+            torch.float32: MPI.FLOAT,
+            torch.float64: MPI.DOUBLE,
+            torch.int64: MPI.INT64_T,
+            torch.int32: MPI.INT32_T,
+            torch.int16: MPI.INT16_T,
+            torch.int8: MPI.INT8_T,
+            torch.uint8: MPI.UINT8_T,
+        }
+        self._ops = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX}
         parent = MPI.COMM_WORLD if comm is None else comm
         self._rank, self._world_size = parent.Get_rank(), parent.Get_size()
         self._peers: list[tuple[str, int]] = []
@@ -276,19 +288,9 @@ class MPIEngine(Engine):
         return [memory, tensor.numel(), datatype]
 
     def _datatype(self, dtype: torch.dtype) -> Any:
-        MPI = self.MPI
-        types = {
-            torch.float32: MPI.FLOAT,
-            torch.float64: MPI.DOUBLE,
-            torch.int64: MPI.INT64_T,
-            torch.int32: MPI.INT32_T,
-            torch.int16: MPI.INT16_T,
-            torch.int8: MPI.INT8_T,
-            torch.uint8: MPI.UINT8_T,
-        }
-        if dtype not in types:
+        if dtype not in self._types:
             raise TypeError(f"the mpi engine cannot reduce tensors of dtype {dtype}")
-        return types[dtype]
+        return self._types[dtype]
 
     def _on_host(self, tensor: Tensor, what: str) -> tuple[Tensor, Callable[[], None] | None]:
         """A contiguous tensor MPI can read and write, and what copies its result back."""
@@ -324,9 +326,7 @@ class MPIEngine(Engine):
         self._allreduce_started(tensors, op, names)
 
     def allreduce_async_(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Pending:
-        MPI = self.MPI
-        ops = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX}
-        if op not in ops:
+        if op not in self._ops:
             raise ValueError(f"the mpi engine has no reduction {op!r}")
         what = f"allreduce ({op}) of {name or 'a tensor'}"
         work, copy_back = self._on_host(tensor, what)
@@ -335,7 +335,7 @@ class MPIEngine(Engine):
         wire = work.float() if narrow else work
         with self._collective(what):
             request = self._comm.Iallreduce(
-                MPI.IN_PLACE, self._buffer(wire, self._datatype(wire.dtype)), ops[op]
+                self.MPI.IN_PLACE, self._buffer(wire, self._datatype(wire.dtype)), self._ops[op]
             )
 
         def finish() -> None:
