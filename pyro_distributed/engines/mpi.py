@@ -23,6 +23,10 @@ Design:
   the whole job with ``MPI_Abort``: ``mpirun`` exits non-zero instead of
   hanging in a peer's collective or in ``MPI_Finalize``. A script that dies
   of an uncaught exception aborts the job the same way.
+* **Polling.** A waiting worker tests its request in a loop, yielding the
+  core at each test after the first 0.2 ms, as MPI's own blocking calls poll:
+  on cores of its own (how MPI jobs run) that is the fastest way to wait; on
+  an oversubscribed machine it takes CPU from the other processes.
 * **Channels.** Collectives pair up in the order they are started on one
   communicator. :meth:`MPIEngine.open_channel` duplicates the communicator,
   so collectives started from backward hooks never pair with other ones.
