@@ -85,6 +85,9 @@ def launch_prefix(config: Config) -> list[str]:
             *("--nproc-per-node", str(config.workers)),
             *("--master-addr", "127.0.0.1", "--master-port", str(free_port())),
         ]
+    if config.launcher == "mpirun":
+        mpiexec = str(Path(sys.executable).parent / "mpiexec")
+        return [mpiexec, "-n", str(config.workers), sys.executable]
     hosts = f"localhost:{config.workers}"
     return ["horovodrun", "--gloo", "-np", str(config.workers), "-H", hosts, sys.executable]
 
@@ -192,8 +195,19 @@ def run_plan(plan: Plan, configs: Sequence[Config], repeats: int) -> dict[str, l
     return runs
 
 
+def mpi_available() -> bool:
+    """Whether ``mpi4py`` imports in this interpreter and ``mpiexec`` lies beside it."""
+    if not (Path(sys.executable).parent / "mpiexec").exists():
+        return False
+    check = [sys.executable, "-c", "import mpi4py.MPI"]
+    try:
+        return subprocess.run(check, capture_output=True, timeout=120).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
 def select_configs(names: Sequence[str] | None) -> list[Config]:
-    """The configurations asked for, minus those that need a missing Horovod."""
+    """The configurations asked for, minus those that need a missing Horovod or MPI."""
     chosen = [c for c in CONFIGS if names is None or c.name in names]
     needing = [c.name for c in chosen if c.needs_horovod]
     if needing and not horovod_available():
@@ -202,6 +216,13 @@ def select_configs(names: Sequence[str] | None) -> list[Config]:
             f"{sys.executable} and `horovodrun` on PATH (scripts/install_horovod.sh builds it)"
         )
         chosen = [c for c in chosen if not c.needs_horovod]
+    needing = [c.name for c in chosen if c.needs_mpi]
+    if needing and not mpi_available():
+        print(
+            f"skipped {', '.join(needing)}: needs mpi4py and mpiexec in {sys.executable}'s "
+            f"environment (`pip install pyro-distributed[mpi]`)"
+        )
+        chosen = [c for c in chosen if not c.needs_mpi]
     return chosen
 
 
@@ -243,7 +264,10 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "versions": {name: package_version(name) for name in ("torch", "pyro-ppl", "horovod")},
+        "versions": {
+            name: package_version(name)
+            for name in ("torch", "pyro-ppl", "horovod", "mpi4py", "mpich")
+        },
         "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": None if status is None else bool(status),
     }

@@ -130,6 +130,8 @@ def judge(
         if not workload["main"]:
             continue
         for target in targets:
+            if target.workloads is not None and workload["workload"] not in target.workloads:
+                continue
             ratio = throughput_ratio(workload["summary"], target.config, target.reference)
             value = None if ratio is None else target.value(ratio)
             verdicts.append(

@@ -56,6 +56,10 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GROUP_DIM = 4
 SMALL_BATCH = 256
 
+# wide40: the same regression with 20 coefficient vectors of 10k floats each, so
+# AutoNormal makes 40 parameters of 10k floats (1.6 MB of gradients).
+WIDE_NAME, WIDE_TENSORS, WIDE_DIM = "wide40", 40, 10_000
+
 # large1m: a one-hidden-layer regression whose 1000 x 1000 weight is ~1 M floats.
 HIDDEN = 1000
 LARGE_BATCH = 512
@@ -108,7 +112,7 @@ class Workload:
 # smallN: many tiny parameters, so per-parameter overhead dominates the step.
 
 
-def grouped_regression(groups: int) -> Model:
+def grouped_regression(groups: int, dim: int = GROUP_DIM) -> Model:
     """A regression with one small latent coefficient vector per group.
 
     ``x`` holds the group index in column 0 and the features after it. The
@@ -119,7 +123,7 @@ def grouped_regression(groups: int) -> Model:
     def model(x: Tensor, y: Tensor) -> None:
         coefs = torch.stack(
             [
-                pyro.sample(f"coef_{g}", dist.Normal(torch.zeros(GROUP_DIM), 1.0).to_event(1))
+                pyro.sample(f"coef_{g}", dist.Normal(torch.zeros(dim), 1.0).to_event(1))
                 for g in range(groups)
             ]
         )
@@ -131,17 +135,18 @@ def grouped_regression(groups: int) -> Model:
     return model
 
 
-def small(tensors: int, generator: torch.Generator) -> Workload:
-    """The grouped regression with ``tensors // 2`` groups, fitted with AutoNormal.
+def small(tensors: int, generator: torch.Generator, dim: int = GROUP_DIM) -> Workload:
+    """The grouped regression with ``tensors // 2`` groups of ``dim`` coefficients,
+    fitted with AutoNormal.
 
     AutoNormal is a PyroModule, so the same pair serves SVI and DDP.
     """
     groups = tensors // 2
     group = torch.randint(groups, (SMALL_BATCH, 1), generator=generator)
-    features = torch.randn(SMALL_BATCH, GROUP_DIM, generator=generator)
+    features = torch.randn(SMALL_BATCH, dim, generator=generator)
     y = features.sum(-1) + 0.5 * torch.randn(SMALL_BATCH, generator=generator)
     x = torch.cat([group.float(), features], dim=1)
-    model = grouped_regression(groups)
+    model = grouped_regression(groups, dim)
     return Workload(model, AutoNormal(model), (x, y))
 
 
@@ -293,7 +298,7 @@ LOCAL_NAME = re.compile(r"local(\d+)")
 
 
 def build_workload(name: str, generator: torch.Generator, as_modules: bool) -> Workload:
-    """The workload called ``name``: ``smallN`` (N even), ``large1m`` or ``vae``.
+    """The workload called ``name``: ``smallN`` (N even), ``wide40``, ``large1m`` or ``vae``.
 
     ``as_modules`` asks for model and guide as PyroModules that own their
     parameters, as DDP needs them; smallN's pair already is.
@@ -302,6 +307,8 @@ def build_workload(name: str, generator: torch.Generator, as_modules: bool) -> W
         return large1m(generator, as_modules)
     if name == "vae":
         return vae(generator, as_modules)
+    if name == WIDE_NAME:
+        return small(WIDE_TENSORS, generator, WIDE_DIM)
     local = LOCAL_NAME.fullmatch(name)
     if local is not None:
         # The same data on every worker, as a data set they share.
@@ -319,7 +326,7 @@ def small_tensors(name: str) -> int:
 
 def workload_name(name: str) -> str:
     """argparse type: a workload name that :func:`build_workload` accepts."""
-    if name not in ("large1m", "vae") and not LOCAL_NAME.fullmatch(name):
+    if name not in ("large1m", "vae", WIDE_NAME) and not LOCAL_NAME.fullmatch(name):
         try:
             small_tensors(name)
         except ValueError as exc:
@@ -519,7 +526,10 @@ def fitted_cost(parameters: Sequence[tuple[str, Tensor]]) -> dict[str, float]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument(
-        "--workload", type=workload_name, required=True, help="small<N>, local<N>, large1m or vae"
+        "--workload",
+        type=workload_name,
+        required=True,
+        help="small<N>, local<N>, wide40, large1m or vae",
     )
     parser.add_argument("--optim", choices=OPTIMS, required=True)
     parser.add_argument("--steps", type=int, default=50, help="timed steps")

@@ -27,7 +27,7 @@ def make_data(n, seed):
     return x, y
 
 
-pd.init()  # joins torchrun's or horovodrun's workers; a plain process is 1 worker
+pd.init()  # joins torchrun's, horovodrun's or mpirun's workers; a plain process is 1 worker
 pd.set_rng_seed(0)  # independent guide noise on each worker, from one seed
 x, y = make_data(10_000, seed=0)
 x_mine, y_mine = pd.shard(x), pd.shard(y)  # this worker's rows: every row on one worker

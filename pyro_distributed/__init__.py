@@ -3,8 +3,8 @@
 Every worker runs the same model and guide on its own data; the optimizer
 averages gradients across workers at every step, so all workers keep
 identical parameters. The same script runs as one plain process, under
-``torchrun`` (torch.distributed: gloo on CPU, NCCL on GPU) or under
-``horovodrun``.
+``torchrun`` (torch.distributed: gloo on CPU, NCCL on GPU), under
+``horovodrun``, or under ``mpirun``/``mpiexec``/``srun`` (MPI, through mpi4py).
 
 Example::
 

@@ -50,11 +50,13 @@ def _as_timedelta(timeout: float | timedelta) -> timedelta:
 def init(engine: str = "auto", *, timeout: float | timedelta | None = None) -> Engine:
     """Start the distributed engine for this process, or return the running one.
 
-    :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"`` or
-        ``"local"``. ``"auto"`` returns the running engine if there is one;
+    :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"``, ``"mpi"``
+        or ``"local"``. ``"auto"`` returns the running engine if there is one;
         otherwise it picks ``horovod`` under ``horovodrun``, ``torch`` under
-        ``torchrun`` or when a torch.distributed process group exists, and
-        ``local`` (one process, no communication) otherwise.
+        ``torchrun`` or when a torch.distributed process group exists, ``mpi``
+        under ``mpirun``, ``mpiexec`` or ``srun`` (it needs mpi4py:
+        ``pip install pyro-distributed[mpi]``), and ``local`` (one process,
+        no communication) otherwise.
     :param timeout: how long, in seconds or as a :class:`~datetime.timedelta`,
         any collective may block before every worker raises
         :class:`PyroDistributedError`. Defaults to 60 seconds.
@@ -66,12 +68,12 @@ def init(engine: str = "auto", *, timeout: float | timedelta | None = None) -> E
 
         import pyro_distributed as pd
 
-        pd.init()  # under torchrun: joins the process group
+        pd.init()  # under torchrun: joins the process group; under mpirun: MPI
         print(pd.rank(), pd.world_size())
 
     .. warning::
-        Call :func:`init` at the same point on every worker: with the torch
-        and horovod engines it is itself a collective.
+        Call :func:`init` at the same point on every worker: with the torch,
+        horovod and mpi engines it is itself a collective.
     """
     global _engine
     wanted_timeout = None if timeout is None else _as_timedelta(timeout)

@@ -17,10 +17,16 @@
 #                                 it is; it must be of the version above.
 # With neither, pip resolves torch==$PYRO_DISTRIBUTED_TORCH as configured: on the
 # development and CI machines it finds the CPU wheel on local disk.
+#
+# With the "mpi" extra (scripts/test.sh asks for it), mpi4py and the MPICH wheel
+# are pinned too, to the versions CI tests:
+#   PYRO_DISTRIBUTED_MPI4PY       mpi4py's version (default 4.1.2)
+#   PYRO_DISTRIBUTED_MPICH        the mpich wheel's version (default 5.0.2)
 
 PYRO_DISTRIBUTED_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYRO_DISTRIBUTED_VENV=${PYRO_DISTRIBUTED_VENV:-$PYRO_DISTRIBUTED_ROOT/.venv}
 PYRO_DISTRIBUTED_TORCH=${PYRO_DISTRIBUTED_TORCH:-2.13.0}
+PYRO_DISTRIBUTED_EXTRAS=${PYRO_DISTRIBUTED_EXTRAS:-dev,examples}
 
 if [ ! -x "$PYRO_DISTRIBUTED_VENV/bin/python" ]; then
     echo "[setup] creating $PYRO_DISTRIBUTED_VENV"
@@ -42,8 +48,13 @@ if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '
         python -m pip install -q "torch==$PYRO_DISTRIBUTED_TORCH"
     fi
 fi
-echo "[setup] installing pyro-distributed[${PYRO_DISTRIBUTED_EXTRAS:-dev,examples}]"
+PYRO_DISTRIBUTED_PINS=("torch==$PYRO_DISTRIBUTED_TORCH")
+case ",$PYRO_DISTRIBUTED_EXTRAS," in
+    *,mpi,*) PYRO_DISTRIBUTED_PINS+=("mpi4py==${PYRO_DISTRIBUTED_MPI4PY:-4.1.2}"
+                                     "mpich==${PYRO_DISTRIBUTED_MPICH:-5.0.2}") ;;
+esac
+echo "[setup] installing pyro-distributed[$PYRO_DISTRIBUTED_EXTRAS]"
 # torch==VERSION again, so that the package's torch>=2.1 cannot swap the build
 # installed above for another (a local label such as +cpu satisfies it).
-python -m pip install -q -e "$PYRO_DISTRIBUTED_ROOT[${PYRO_DISTRIBUTED_EXTRAS:-dev,examples}]" \
-    "torch==$PYRO_DISTRIBUTED_TORCH"
+python -m pip install -q -e "$PYRO_DISTRIBUTED_ROOT[$PYRO_DISTRIBUTED_EXTRAS]" \
+    "${PYRO_DISTRIBUTED_PINS[@]}"

@@ -6,6 +6,10 @@ Each worker gets torchrun's environment variables on a free port, one thread,
 and a started ``pyro_distributed`` engine, then runs ``fn(*args)``. The
 parent collects every worker's return value or traceback, and fails with all
 of them when any worker fails, dies or overruns the time limit.
+
+With ``engine="mpi"`` (or :data:`DEFAULT_ENGINE` set to it, as
+``tests/test_mpi.py`` does to run other files' tests on MPI) the workers are
+started by the real ``mpiexec`` instead, through ``tests/mpi_runner.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ _CONTEXT.set_forkserver_preload(["torch", "pyro", "pyro_distributed"])
 #: The engine time-out inside test workers: long enough for a slow shared
 #: machine, short enough that a hang fails a test within seconds.
 ENGINE_TIMEOUT = 30.0
+
+#: The engine of :func:`run_workers` when the caller names none.
+DEFAULT_ENGINE = "torch"
 
 
 class WorkerFailure(AssertionError):
@@ -94,14 +101,17 @@ def run_workers(
     fn: Callable[..., Any],
     *args: Any,
     world_size: int = 2,
-    engine: str = "torch",
+    engine: str | None = None,
     timeout: float = 120.0,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` workers; return their results by rank.
 
     ``fn`` must be importable (a module-level function). ``engine=""`` starts
-    no engine, for tests of start-up itself.
+    no engine, for tests of start-up itself; ``None`` means :data:`DEFAULT_ENGINE`.
     """
+    engine = DEFAULT_ENGINE if engine is None else engine
+    if engine == "mpi":
+        return _run_once_under_mpiexec(fn, args, world_size, timeout)
     port = free_port()
     pipes: dict[int, Connection] = {}
     processes = []
@@ -190,17 +200,90 @@ def run_under_horovodrun(
         for rank in range(world_size):
             path = Path(tmp) / f"rank{rank}.pkl"
             per_rank.append(pickle.loads(path.read_bytes()) if path.exists() else {})
+    return _outcomes(scenarios, per_rank, log)
+
+
+def run_under_mpiexec(
+    scenarios: list[tuple[str, Callable[..., Any], tuple[Any, ...]]],
+    *,
+    world_size: int = 2,
+    timeout: float = 300.0,
+    crash_on_error: bool = False,
+    engine_timeout: float = ENGINE_TIMEOUT,
+) -> dict[str, Any]:
+    """Run each ``(name, fn, args)`` on every worker of one real ``mpiexec -n world_size``.
+
+    Returns what :func:`run_under_horovodrun` returns. With ``crash_on_error``
+    a worker whose scenario raised exits at once, as a crashing script would;
+    mpiexec then ends the job (its peers report nothing), instead of leaving
+    them to wait out the engine's time-out. The whole launch (``mpiexec`` and
+    every worker, in a process group of their own) is killed after ``timeout``.
+    """
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "scenarios.pkl"
+        spec.write_bytes(
+            pickle.dumps(
+                [(name, f"{fn.__module__}:{fn.__name__}", args) for name, fn, args in scenarios]
+            )
+        )
+        command = [
+            str(mpiexec), "-n", str(world_size),
+            sys.executable, "-m", "tests.mpi_runner", str(spec), tmp,
+        ]  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(root),
+            "TEST_ENGINE_TIMEOUT": str(engine_timeout),
+            "TEST_CRASH_ON_ERROR": "1" if crash_on_error else "",
+        }
+        process = subprocess.Popen(
+            command,
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+            log = f"mpiexec exit code {process.returncode}\n{stdout[-4000:]}\n{stderr[-4000:]}"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            log = f"mpiexec did not finish within {timeout:g} s\n{stdout[-2000:]}\n{stderr[-2000:]}"
+        per_rank = []
+        for rank in range(world_size):
+            path = Path(tmp) / f"rank{rank}.pkl"
+            per_rank.append(pickle.loads(path.read_bytes()) if path.exists() else {})
+    return _outcomes(scenarios, per_rank, log)
+
+
+def _outcomes(
+    scenarios: list[tuple[str, Callable[..., Any], tuple[Any, ...]]],
+    per_rank: list[dict[str, tuple[str, Any]]],
+    log: str,
+) -> dict[str, Any]:
     outcome: dict[str, Any] = {}
     for name, _, _ in scenarios:
         reports = {}
-        values = []
+        values = {}
         for rank, results in enumerate(per_rank):
             status, payload = results.get(name, ("error", f"no result; {log}"))
             if status == "ok":
-                values.append(payload)
+                values[rank] = payload
             else:
                 reports[rank] = payload
-        outcome[name] = WorkerFailure(reports) if reports else values
+        outcome[name] = WorkerFailure(reports, values) if reports else list(values.values())
     return outcome
 
 
@@ -222,6 +305,18 @@ class HorovodSuites:
             raise result
         assert len(result) == world_size
         return result
+
+
+def _run_once_under_mpiexec(
+    fn: Callable[..., Any], args: tuple[Any, ...], world_size: int, timeout: float
+) -> list[Any]:
+    """:func:`run_workers` on the mpi engine: one ``mpiexec`` launch for one call."""
+    result = run_under_mpiexec(
+        [("call", fn, args)], world_size=world_size, timeout=timeout, crash_on_error=True
+    )["call"]
+    if isinstance(result, WorkerFailure):
+        raise result
+    return list(result)
 
 
 class CountingEngine(Engine):

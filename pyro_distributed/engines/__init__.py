@@ -1,7 +1,7 @@
 """Engine registry: names to modules, and how ``engine="auto"`` chooses.
 
 Engine modules are imported only when chosen, so that a missing optional
-transport (Horovod) costs nothing unless it is asked for. Adding an engine
+transport (Horovod, mpi4py) costs nothing unless it is asked for. Adding an engine
 means adding a module with an :class:`~pyro_distributed.engines.base.Engine`
 subclass and one line in ``_ENGINES``.
 """
@@ -26,6 +26,7 @@ __all__ = [
 _ENGINES: dict[str, tuple[str, str]] = {
     "horovod": ("pyro_distributed.engines.horovod", "HorovodEngine"),
     "torch": ("pyro_distributed.engines.torch_distributed", "TorchEngine"),
+    "mpi": ("pyro_distributed.engines.mpi", "MPIEngine"),
     "local": ("pyro_distributed.engines.local", "LocalEngine"),
 }
 
@@ -47,15 +48,18 @@ def detect_engine() -> str:
 
     ``horovod`` when launched by ``horovodrun``; ``torch`` when launched by
     ``torchrun`` or when a torch.distributed process group already exists;
+    ``mpi`` when launched by ``mpirun``, ``mpiexec`` or a multi-task ``srun``;
     ``local`` otherwise. Detection reads the environment only: it imports no
-    optional transport.
+    optional transport (not even mpi4py).
     """
-    from . import horovod, torch_distributed
+    from . import horovod, mpi, torch_distributed
 
     if horovod.HorovodEngine.detected():
         return "horovod"
     if torch_distributed.TorchEngine.detected():
         return "torch"
+    if mpi.MPIEngine.detected():
+        return "mpi"
     return "local"
 
 

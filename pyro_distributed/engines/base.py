@@ -19,6 +19,7 @@ its transport's failures (a peer died, a time-out) into
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -28,7 +29,7 @@ from torch import Tensor
 
 from ..errors import PyroDistributedError
 
-__all__ = ["DEFAULT_TIMEOUT", "Engine", "Pending", "ReduceOp"]
+__all__ = ["DEFAULT_TIMEOUT", "Engine", "Pending", "ReduceOp", "process_is_alive"]
 
 #: How long any collective may block before the workers give up. Long enough
 #: for a slow first step, short enough that a lost worker costs a minute and
@@ -36,6 +37,21 @@ __all__ = ["DEFAULT_TIMEOUT", "Engine", "Pending", "ReduceOp"]
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 
 ReduceOp = Literal["sum", "mean", "max"]
+
+
+def process_is_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this machine still runs (for naming lost workers)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, under another user
+    try:  # a killed process that nobody has reaped yet is a zombie: dead all the same
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return True  # no /proc here: trust kill()
 
 
 class Pending(abc.ABC):

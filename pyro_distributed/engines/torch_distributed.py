@@ -28,7 +28,7 @@ from torch.distributed.rendezvous import rendezvous
 
 from ..errors import PyroDistributedError
 from ..internals import PrefixStore
-from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
+from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp, process_is_alive
 
 __all__ = ["TorchEngine"]
 
@@ -55,20 +55,6 @@ class _TorchPending(Pending):
             self._work.wait(self._engine.timeout)
         if self._divisor != 1:
             self._tensor.div_(self._divisor)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, under another user
-    try:  # a killed process that nobody has reaped yet is a zombie: dead all the same
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return True  # no /proc here: trust kill()
 
 
 class TorchEngine(Engine):
@@ -183,7 +169,7 @@ class TorchEngine(Engine):
         local = [(r, pid) for r, (host, pid) in enumerate(self._peers) if host == here]
         deadline = time.monotonic() + grace
         while True:
-            lost = [f"worker {r} (pid {pid})" for r, pid in local if not _alive(pid)]
+            lost = [f"worker {r} (pid {pid})" for r, pid in local if not process_is_alive(pid)]
             if lost or time.monotonic() > deadline:
                 return lost
             time.sleep(0.1)

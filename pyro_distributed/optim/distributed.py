@@ -57,7 +57,7 @@ class DistributedOptimizer(PyroOptim):
         :class:`~pyro_distributed.optim.torch_optimizer.DistributedTorchOptimizer`,
         which is a torch optimizer itself and takes the same arguments but
         ``multi_tensor``.
-    :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"``,
+    :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"``, ``"mpi"``,
         ``"local"``, or a running :class:`~pyro_distributed.engines.Engine`.
         A name starts the engine with :func:`pyro_distributed.init` if needed.
     :param bucket_cap_mb: largest fused gradient buffer, in MiB.

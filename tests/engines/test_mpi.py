@@ -1,0 +1,468 @@
+"""The mpi engine, under the real ``mpiexec`` (MPICH's Hydra, from the ``mpich`` wheel).
+
+Three kinds of test:
+
+* **The suite's own tests, on MPI.** :data:`ON_MPI` lists tests of the other
+  files; each runs here unchanged, with the same assertions, after
+  :data:`tests.harness.DEFAULT_ENGINE` is set to ``"mpi"``, so that every
+  ``run_workers`` in it starts its workers with ``mpiexec -n W`` (one launch
+  per call) instead of the gloo spawner: bitwise equality with one process,
+  overlap, ownership, checkpoints with block files, evaluation, Predictive,
+  the noise scale, schedulers, NaN skipping, compression.
+* **The engine's own collectives** in one ``mpiexec`` launch per world size
+  (:data:`SCENARIOS`): detection, ranks, dtypes, errors.
+* **Faults and examples** as users meet them: scripts under ``mpiexec``, with
+  the exit code and the time it took.
+
+mpi4py and the MPI wheel are installed by ``scripts/test.sh`` (the ``mpi``
+extra); these tests fail, not skip, without them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pyro_distributed as pd
+from pyro_distributed.engines import detect_engine
+
+from .. import harness, test_examples, test_faults, test_runtime, test_semantics, test_vae_example
+from ..checkpoint import test_param_store
+from ..evaluation import test_loss, test_predictive
+from ..exchange import test_agreement, test_averager, test_compression, test_overlap
+from ..harness import WorkerFailure, run_under_mpiexec
+from ..local import test_blocks, test_ownership
+from ..optim import test_consistency, test_noise_scale, test_schedulers
+
+PyroError = pd.PyroDistributedError
+
+pytestmark = pytest.mark.mpi
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+MPIEXEC = str(BIN / "mpiexec")
+
+
+# --- the suite's own tests, on MPI -----------------------------------------------------------
+
+Case = Callable[[Path], None]
+
+ON_MPI: dict[str, Case] = {
+    # averaging and the front end
+    "fused average": lambda _: test_averager.test_fused_average_equals_the_per_tensor_average(),
+    "clipping after averaging": lambda _: (
+        test_semantics.test_clipping_applies_to_the_averaged_gradient()
+    ),
+    "every ELBO = one process": lambda _: test_semantics.test_every_elbo_matches_one_process(),
+    "every scheduler = one process": lambda _: (
+        test_schedulers.test_every_scheduler_matches_one_process()
+    ),
+    "ReduceLROnPlateau": lambda _: (
+        test_schedulers.test_reduce_lr_on_plateau_averages_the_loss_it_is_given()
+    ),
+    "flags, 3 workers": lambda _: test_runtime.test_any_worker_and_all_workers_agree_everywhere(),
+    "compressed fp16 within bound": lambda _: (
+        test_compression.test_compressed_average_is_within_the_documented_bound("fp16")
+    ),
+    # overlap with backward
+    "overlap bitwise: particles": lambda _: (
+        test_overlap.test_overlap_is_bitwise_equal_to_no_overlap("particles")
+    ),
+    "overlap bitwise: fp16": lambda _: test_overlap.test_overlap_is_bitwise_equal_to_no_overlap(
+        "fp16"
+    ),
+    "buckets leave during backward": lambda _: (
+        test_overlap.test_buckets_leave_during_backward_from_the_third_step()
+    ),
+    "a collective between backward and step": lambda _: (
+        test_overlap.test_a_collective_between_backward_and_step_does_not_pair_with_a_bucket()
+    ),
+    # local parameters
+    "ownership = replicated, W=3, AutoNormal": lambda _: (
+        test_ownership.test_ownership_changes_where_rows_live_not_the_numbers(3, "clipped", "auto")
+    ),
+    "gather_param, W=2": lambda _: (
+        test_ownership.test_gather_param_assembles_the_rows_in_order_on_worker_0(2)
+    ),
+    # checkpoints
+    "resume bitwise, W=2": lambda tmp: (
+        test_param_store.test_resume_in_fresh_processes_equals_an_uninterrupted_run(2, tmp)
+    ),
+    "block files: resume bitwise": lambda tmp: (
+        test_blocks.test_resume_at_the_same_world_size_is_bitwise(tmp)
+    ),
+    "block files: elastic 2 to 3": lambda tmp: (
+        test_blocks.test_elastic_resume_repartitions_the_blocks(tmp, 2, 3)
+    ),
+    "block files: failed save": lambda tmp: (
+        test_blocks.test_a_failed_save_leaves_the_previous_checkpoint_intact_and_complete(tmp)
+    ),
+    # evaluation, prediction, the posterior of all the data
+    "evaluate_loss, every row once, W=3": lambda _: (
+        test_loss.test_every_row_is_evaluated_exactly_once(3)
+    ),
+    "Predictive seeded = one process, W=3": lambda _: (
+        test_predictive.test_seeded_samples_are_the_one_process_samples_at_any_world_size(3)
+    ),
+    # the noise scale
+    "noise-scale norms exact": lambda _: (
+        test_noise_scale.test_norms_equal_those_of_the_gathered_gradients(True, "none", 1e-4)
+    ),
+    # faults that are not crashes
+    "NaN skipped everywhere": lambda _: (
+        test_faults.test_nan_on_one_worker_makes_every_worker_skip_the_step()
+    ),
+    "drift of a parameter named": lambda _: (
+        test_consistency.test_drift_is_caught_by_check_every_and_names_param_and_workers(
+            "param", "parameter 'p'"
+        )
+    ),
+    "dtype mismatch named": lambda _: test_agreement.test_dtype_mismatch_names_param_and_dtypes(),
+}
+
+
+@pytest.fixture
+def on_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``run_workers`` that names no engine starts its workers with ``mpiexec``."""
+    monkeypatch.setattr(harness, "DEFAULT_ENGINE", "mpi")
+
+
+@pytest.mark.parametrize("case", list(ON_MPI))
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.usefixtures("on_mpi")
+def test_on_mpi(case: str, tmp_path: Path) -> None:
+    ON_MPI[case](tmp_path)
+
+
+# --- the engine's collectives, in one launch per world size ----------------------------------
+
+
+def engine_view() -> dict[str, Any]:
+    engine = pd.init("auto")  # mpiexec's PMI_RANK must make "auto" the mpi engine
+    rank, world = pd.rank(), pd.world_size()
+    gathered = engine.allgather_object({"rank": rank, "payload": "x" * (1000 * rank)})
+    pd.barrier()
+    return {
+        "engine": engine.name,
+        "detected": detect_engine(),
+        "rank": rank,
+        "local_rank": pd.local_rank(),
+        "world": world,
+        "is_main": pd.is_main(),
+        "mean_float": pd.all_mean(float(rank) * 4.0),
+        "mean_tensor": pd.all_mean(torch.full((2,), float(rank), dtype=torch.float64)),
+        "any": pd.any_worker(rank == world - 1),
+        "all": pd.all_workers(rank == world - 1),
+        "gathered": gathered,
+        "same_engine": pd.init("auto") is engine,
+    }
+
+
+def dtypes_and_layouts() -> dict[str, Any]:
+    engine, rank = pd.current_engine(), pd.rank()
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        summed = torch.arange(5, dtype=dtype) * (rank + 1)
+        engine.allreduce_([summed], op="sum")
+        out[f"sum {dtype}"] = summed
+    counts = torch.tensor([rank, -rank], dtype=torch.int64)
+    engine.allreduce_([counts], op="max")
+    out["max int64"] = counts
+    # A transposed view is not contiguous: reduced in a copy, written back in place.
+    matrix = (torch.arange(6.0).reshape(2, 3) * (rank + 1)).t()
+    engine.allreduce_([matrix], op="mean")
+    out["mean of a transposed view"] = matrix
+    last = pd.world_size() - 1
+    sent = [torch.full((3,), float(rank)), torch.full((2,), rank, dtype=torch.int32)]
+    engine.broadcast_(sent, src=last)
+    out["broadcast from the last worker"] = sent
+    pending = engine.open_channel().allreduce_async_(torch.ones(4), "sum", "temporary")
+    pending.wait()  # the engine keeps the temporary tensor alive while MPI writes it
+    cases: list[tuple[str, Callable[[], None], type[Exception]]] = [
+        ("op", lambda: engine.allreduce_([torch.ones(1)], op="min"), ValueError),  # type: ignore[arg-type]
+        ("dtype", lambda: engine.allreduce_([torch.ones(1, dtype=torch.complex64)]), TypeError),
+        ("device", lambda: engine.allreduce_([torch.zeros(2, device="meta")]), PyroError),
+        ("src", lambda: engine.broadcast_([torch.ones(1)], src=7), ValueError),
+    ]
+    errors = {}
+    for name, call, error in cases:
+        with pytest.raises(error) as info:
+            call()
+        errors[name] = str(info.value)
+    out["errors"] = errors
+    return out
+
+
+def reinit_with_another_timeout() -> float:
+    pd.shutdown()
+    engine = pd.init("mpi", timeout=5)
+    pd.barrier()
+    return engine.timeout.total_seconds()
+
+
+SCENARIOS: list[tuple[str, Any, tuple[Any, ...]]] = [
+    ("view", engine_view, ()),
+    ("dtypes", dtypes_and_layouts, ()),
+    ("reinit", reinit_with_another_timeout, ()),
+]
+
+
+@functools.cache
+def results_at(world_size: int) -> dict[str, Any]:
+    return run_under_mpiexec(SCENARIOS, world_size=world_size, timeout=120)
+
+
+def outcome(name: str, world_size: int) -> list[Any]:
+    result = results_at(world_size)[name]
+    if isinstance(result, WorkerFailure):
+        raise result
+    assert len(result) == world_size
+    return list(result)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_auto_picks_mpi_under_mpiexec_with_ranks_means_and_objects(world_size: int) -> None:
+    for rank, view in enumerate(outcome("view", world_size)):
+        assert (view["engine"], view["detected"], view["same_engine"]) == ("mpi", "mpi", True)
+        # One machine: the node-local communicator holds every worker.
+        assert (view["rank"], view["local_rank"], view["world"]) == (rank, rank, world_size)
+        assert view["is_main"] == (rank == 0)
+        assert view["mean_float"] == 2.0 * (world_size - 1)
+        assert isinstance(view["mean_float"], float)
+        assert torch.equal(
+            view["mean_tensor"], torch.full((2,), (world_size - 1) / 2, dtype=torch.float64)
+        )
+        assert (view["any"], view["all"]) == (True, world_size == 1)
+        assert view["gathered"] == [
+            {"rank": r, "payload": "x" * (1000 * r)} for r in range(world_size)
+        ]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_every_dtype_reduces_in_place_and_bad_input_is_named(world_size: int) -> None:
+    results = outcome("dtypes", world_size)
+    factor = world_size * (world_size + 1) / 2  # sum over ranks of (rank + 1)
+    for result in results:
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            got = result[f"sum {dtype}"]
+            assert got.dtype == dtype and torch.equal(got, torch.arange(5, dtype=dtype) * factor)
+        assert result["max int64"].tolist() == [world_size - 1, 0]
+        mean = result["mean of a transposed view"]
+        assert torch.equal(mean, (torch.arange(6.0).reshape(2, 3) * factor / world_size).t())
+        floats, ints = result["broadcast from the last worker"]
+        assert torch.equal(floats, torch.full((3,), float(world_size - 1)))
+        assert torch.equal(ints, torch.full((2,), world_size - 1, dtype=torch.int32))
+        errors = result["errors"]
+        assert "no reduction 'min'" in errors["op"]
+        assert "cannot reduce tensors of dtype torch.complex64" in errors["dtype"]
+        assert "a meta tensor cannot travel on the mpi engine" in errors["device"]
+        assert f"broadcast source 7 does not exist: world size is {world_size}" in errors["src"]
+    for other in results[1:]:  # every worker holds the same bits
+        for name in ("sum torch.float16", "sum torch.bfloat16", "mean of a transposed view"):
+            assert torch.equal(other[name], results[0][name])
+
+
+def test_shutdown_then_init_with_another_timeout() -> None:
+    assert outcome("reinit", 3) == [5.0] * 3
+
+
+def test_mpi_is_never_imported_until_asked_for() -> None:
+    code = (
+        "import sys, pyro_distributed as pd\n"
+        "pd.init('auto'); pd.all_mean(1.0)\n"
+        "print(pd.current_engine().name, 'mpi4py' in sys.modules)\n"
+    )
+    done = run_command([sys.executable, "-c", code], timeout=60)
+    assert done.stdout.split() == ["local", "False"], done.stderr
+
+
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+
+
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        ({"PMI_RANK": "0"}, "mpi"),  # MPICH's Hydra, Intel MPI
+        ({"OMPI_COMM_WORLD_RANK": "0"}, "mpi"),  # Open MPI
+        ({"PMIX_RANK": "0"}, "mpi"),  # any PMIx launcher
+        ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4"}, "mpi"),  # srun -n 4
+        ({"SLURM_PROCID": "0"}, "local"),  # a batch script's one process
+        ({"PMI_RANK": "0", **TORCHRUN}, "torch"),  # torchrun's variables win: the user chose torch
+    ],
+)
+def test_auto_detection_reads_the_launchers_environment(
+    variables: dict[str, str], expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launchers = ["PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"]
+    for name in [*launchers, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "HOROVOD_RANK", *TORCHRUN]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert detect_engine() == expected
+
+
+def test_engine_requested_without_mpi4py_says_how_to_install() -> None:
+    code = (
+        "import sys; sys.modules['mpi4py'] = None\n"  # as if mpi4py were not installed
+        "import pyro_distributed as pd\n"
+        "try:\n    pd.init('mpi')\nexcept ImportError as err:\n    print(err)\n"
+    )
+    done = run_command([sys.executable, "-c", code], timeout=60)
+    assert "mpi4py is not installed" in done.stdout, done.stderr
+    assert "pip install pyro-distributed[mpi]" in done.stdout
+    assert "system's MPI" in done.stdout
+
+
+# --- faults, under the real mpiexec ----------------------------------------------------------
+
+
+def run_command(command: list[str], timeout: float, **env: str) -> Any:
+    environment = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(ROOT),
+        **env,
+    }
+    return subprocess.run(
+        command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout
+    )
+
+
+FAULTY = """\
+import os, signal, sys, time, torch, pyro, pyro_distributed as pd
+how = sys.argv[1]
+pd.init(timeout=float(sys.argv[2]))
+print(f"worker {pd.rank()} pid {os.getpid()}", flush=True)
+p = pyro.param("p", torch.ones(3)).unconstrained()
+optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
+for step in range(1, 100):
+    if step == 5 and pd.rank() == 1:
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "raise":
+            raise RuntimeError("worker 1 failed on purpose")
+        if how == "hang":
+            time.sleep(600)  # alive, but not taking part
+    (p * (pd.rank() + 1.0)).sum().backward()
+    optim([p])
+    p.grad = None
+print(f"worker {pd.rank()} finished", flush=True)
+"""
+
+
+def run_faulty(how: str, tmp_path: Path, timeout: float = 30) -> tuple[Any, float]:
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY)
+    start = time.monotonic()
+    done = run_command(
+        [MPIEXEC, "-n", "2", sys.executable, str(script), how, str(timeout)], timeout=120
+    )
+    return done, time.monotonic() - start
+
+
+def test_a_killed_worker_ends_the_job_at_once_and_is_named(tmp_path: Path) -> None:
+    done, elapsed = run_faulty("sigkill", tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    pid = re.search(r"worker 1 pid (\d+)", output)
+    assert pid, output
+    # mpiexec names the process and how it died, and stops the survivor.
+    assert re.search(rf"PID {pid.group(1)} RUNNING AT .*\n=\s+EXIT CODE: 9", output), output
+    assert "worker 0 finished" not in output
+    assert elapsed < 20, elapsed  # far less than the engine's 30 s time-out
+
+
+def test_a_raising_worker_aborts_the_job_instead_of_leaving_it_waiting(tmp_path: Path) -> None:
+    done, elapsed = run_faulty("raise", tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "RuntimeError: worker 1 failed on purpose" in output
+    # The dying script's exit aborts the whole job: worker 0 does not wait out its time-out.
+    assert "MPI_Abort" in output, output
+    assert "worker 0 finished" not in output
+    assert elapsed < 20, elapsed
+
+
+def test_a_hung_worker_is_detected_after_the_time_out_and_the_job_aborted(tmp_path: Path) -> None:
+    done, elapsed = run_faulty("hang", tmp_path, timeout=3)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    message = re.search(r"PyroDistributedError: (.*)", output)
+    assert message, output
+    assert "allreduce (sum) of pyro_distributed.grad.p+0 failed on worker 0 of 2" in message[1]
+    assert "no answer within the time-out" in message[1] and "time-out 3 s" in message[1]
+    # The survivor's abort ends the sleeper too: the job takes seconds, not 600.
+    assert 3 < elapsed < 25, elapsed
+
+
+def hang_with_short_timeout(checkpoint: str) -> dict[str, Any]:
+    pd.shutdown()
+    pd.init("mpi", timeout=3)
+    return test_faults.die_at_step_five("hang", checkpoint)
+
+
+def test_the_survivor_of_a_hang_names_the_collective_and_keeps_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    checkpoint = tmp_path / "run.pt"
+    with pytest.raises(WorkerFailure) as info:  # worker 1 is ended by worker 0's abort
+        harness.run_workers(hang_with_short_timeout, str(checkpoint), engine="mpi", timeout=60)
+    assert set(info.value.reports) == {1}
+    survivor = info.value.results[0]
+    assert "failed on worker 0 of 2" in survivor["message"]
+    assert "time-out 3 s" in survivor["message"]
+    assert 2.5 < survivor["elapsed"] < 15, survivor
+    assert torch.load(checkpoint, weights_only=False)["num_steps"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pt"]
+
+
+# --- the examples, as users launch them ------------------------------------------------------
+
+
+def mpiexec(workers: int) -> list[str]:
+    return [MPIEXEC, "-n", str(workers), sys.executable]
+
+
+def test_vae_example_runs_under_mpiexec_on_two_workers(tmp_path: Path) -> None:
+    output = test_vae_example.run_example(mpiexec(2), tmp_path)
+    test_vae_example.check_outputs(output, tmp_path, workers=2)
+
+
+def test_quickstart_under_mpiexec_gives_the_posterior_of_all_the_data() -> None:
+    output = test_examples.run([*mpiexec(2), str(test_examples.QUICKSTART)])
+    means, widths = test_examples.quickstart_posterior(output)
+    for mean, true in zip(means, [2.0, -1.0, 0.5], strict=True):
+        assert abs(mean - true) < 0.02
+    for width in widths:
+        assert abs(width / test_examples.QUICKSTART_WIDTH - 1) < 0.2, widths
+    assert output.count("predictions: (1000, 1001)") == 1, "gathered on worker 0 only"
+
+
+def test_regression_example_runs_under_mpiexec_and_resumes(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "run.pt"
+    args = [str(test_examples.EXAMPLE), "--steps=600", f"--checkpoint={checkpoint}"]
+    output = test_examples.run([*mpiexec(2), *args])
+    assert output.count("training on 2 worker(s)") == 1, "only worker 0 prints"
+    for fitted, true in zip(test_examples.fitted_weights(output), [2.0, -1.0, 0.5], strict=True):
+        assert abs(fitted - true) < 0.1
+    assert torch.load(checkpoint, weights_only=False)["world_size"] == 2
+
+
+def test_a_plain_process_with_the_mpi_engine_is_one_worker() -> None:
+    code = (
+        "import pyro_distributed as pd\n"
+        "pd.init('mpi'); print(pd.rank(), pd.local_rank(), pd.world_size(), pd.all_mean(3.0))\n"
+    )
+    done = run_command([sys.executable, "-c", code], timeout=60)
+    assert done.stdout.split() == ["0", "0", "1", "3.0"], done.stderr
