@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--batch", type=int, default=100, help="rows per worker per step")
+    parser.add_argument("--lr", type=float, default=0.05, help="the automatic plan's Adam")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -141,10 +142,10 @@ def main() -> None:
     built_alone = None
     if args.plan == "auto":
         pyro.settings.set(module_local_params=True)
-        plan = AutomaticPlan(lr=0.05)
+        plan = AutomaticPlan(lr=args.lr)
         plan.loss_fn(*train[:2])  # AutoNormal creates its parameters here
     else:
-        optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.05}))
+        optim = pd.DistributedOptimizer(pyro.optim.ClippedAdam({"lr": 0.1, "lrd": 0.995}))
         built_alone = pd.world_size()  # before Lightning's process group: one worker here
         plan = ManualPlan(optim)
     strategy: Any = PyroDistributedStrategy() if args.strategy == "ours" else "ddp"

@@ -1,0 +1,135 @@
+"""PyroDistributedStrategy with real processes: Lightning's own launcher, and torchrun.
+
+Each test runs ``scripts/fit_regression.py`` as a user would (Lightning's
+launcher starts the second process by re-running the script) and reads what
+every worker ended with. Lightning is a test dependency: if it is missing,
+these tests fail at import, they are not skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch  # noqa: F401 (a missing Lightning fails the run here)
+import pytest
+import torch
+
+from ..harness import free_port
+from .scripts.fit_regression import N, N_VAL, SIGMA, make_data
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "fit_regression.py"
+BIN = Path(sys.executable).parent
+
+
+def fit(tmp_path: Path, *options: str, torchrun: bool = False, timeout: float = 300) -> list[Any]:
+    """Run the script on 2 workers; every worker's record, by rank."""
+    out = tmp_path / "out"
+    command = [sys.executable, str(SCRIPT), "--out", str(out), *options]
+    if torchrun:
+        command = [
+            str(BIN / "torchrun"), "--nproc-per-node=2", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", *command[1:],
+        ]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "MASTER_PORT": str(free_port()),  # Lightning's launcher takes its port from here
+    }
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
+    )
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+
+
+def exact_posterior() -> tuple[torch.Tensor, torch.Tensor]:
+    """The posterior of w given all N rows (conjugate: prior N(0, 10^2), known sigma)."""
+    x, y = make_data(N, 0).tensors
+    precision = x.T @ x / SIGMA**2 + torch.eye(3) / 100.0
+    covariance = torch.linalg.inv(precision)
+    return covariance @ x.T @ y / SIGMA**2, covariance.diag().sqrt()
+
+
+def assert_in_sync(records: list[Any]) -> None:
+    first, second = (record["posterior"] for record in records)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+def assert_matches_all_the_data(record: Any) -> None:
+    """The posterior of all N rows, not of one worker's half (whose widths
+    would be sqrt(2) times too wide)."""
+    loc, scale = exact_posterior()
+    fitted = record["posterior"]
+    assert torch.allclose(fitted["loc"], loc, atol=0.05), (fitted["loc"], loc)
+    ratio = fitted["scale"] / scale
+    assert ((ratio > 0.75) & (ratio < 1.3)).all(), (fitted["scale"], scale)
+
+
+def assert_each_epoch_shares_the_rows(records: list[Any], epochs: int) -> None:
+    per_epoch = N // 2 // 100 * 100  # drop="uneven": equal shards of whole batches
+    for epoch in range(epochs):
+        shards = [set(r["seen"][epoch * per_epoch : (epoch + 1) * per_epoch]) for r in records]
+        assert not shards[0] & shards[1], f"epoch {epoch}: a row on both workers"
+        assert len(shards[0] | shards[1]) == 2 * per_epoch
+
+
+def test_automatic_optimization_on_lightnings_launcher(tmp_path: Path) -> None:
+    records = fit(tmp_path, "--plan", "auto", "--epochs", "4", "--lr", "0.05")
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["world_size"] == 2 and r["engine_world_size"] == 2 for r in records)
+    assert_in_sync(records)
+    assert_each_epoch_shares_the_rows(records, epochs=4)
+    assert [r["global_step"] for r in records] == [20, 20]
+    # Validation: each row once, on one worker; the logged sum is global.
+    first, second = (set(r["val_seen"]) for r in records)
+    assert not first & second and first | second == set(range(N_VAL))
+    assert all(r["metrics"]["val_rows"] == N_VAL for r in records)
+    assert records[0]["metrics"]["train_loss"] == records[1]["metrics"]["train_loss"]
+    # Collectives on the engine; predictions in the data's order on worker 0.
+    assert [r["reduce_sum"] for r in records] == [3.0, 3.0]
+    assert [r["reduce_min"] for r in records] == [1.0, 1.0]
+    assert [r["broadcast"] for r in records] == ["from 1", "from 1"]
+    assert records[0]["predictions"] == list(range(N_VAL))
+    assert records[1]["predictions"] == []
+
+
+def test_scvi_style_manual_plan_stays_in_sync_and_fits_all_the_data(tmp_path: Path) -> None:
+    records = fit(tmp_path, "--plan", "manual", "--epochs", "60")
+    assert [r["built_alone"] for r in records] == [1, 1]  # built before the process group
+    assert_in_sync(records)
+    assert_each_epoch_shares_the_rows(records, epochs=60)
+    assert_matches_all_the_data(records[0])
+
+
+def test_scvi_style_manual_plan_under_plain_ddp_stays_in_sync(tmp_path: Path) -> None:
+    # Plain DDP arms no reducer for SVI.step; our optimizer, built before
+    # Lightning made the process group, adopts it at its first step.
+    records = fit(tmp_path, "--plan", "manual", "--strategy", "ddp", "--epochs", "60")
+    assert [r["built_alone"] for r in records] == [1, 1]
+    assert [r["engine_world_size"] for r in records] == [2, 2]
+    assert_in_sync(records)
+    assert_matches_all_the_data(records[0])
+
+
+def test_the_strategy_under_torchrun(tmp_path: Path) -> None:
+    records = fit(tmp_path, "--plan", "auto", "--epochs", "2", torchrun=True)
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["engine_world_size"] == 2 for r in records)
+    assert_in_sync(records)
+    assert_each_epoch_shares_the_rows(records, epochs=2)
+    assert records[0]["predictions"] == list(range(N_VAL))
+
+
+@pytest.mark.parametrize("engine", ["local", "mpi-ish"])
+def test_an_engine_the_strategy_cannot_use_is_refused(engine: str) -> None:
+    from pyro_distributed.lightning import PyroDistributedStrategy
+
+    with pytest.raises(ValueError, match="choose 'auto', 'torch' or 'horovod'"):
+        PyroDistributedStrategy(engine=engine)
