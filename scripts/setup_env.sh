@@ -1,6 +1,6 @@
 # Source this file: it creates (or reuses) the project's virtualenv, installs the
 # pinned build of torch first, then this package with the extras named in
-# $PYRO_DISTRIBUTED_EXTRAS (default "dev,examples"), and activates the venv.
+# $PYRO_DISTRIBUTED_EXTRAS (default "dev,examples,lightning"), and activates the venv.
 #
 # torch is pinned here, not in pyproject.toml: the package accepts any torch>=2.1
 # so that GPU users keep their CUDA build, but an unpinned install on a fresh
@@ -42,8 +42,8 @@ if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '
         python -m pip install -q "torch==$PYRO_DISTRIBUTED_TORCH"
     fi
 fi
-echo "[setup] installing pyro-distributed[${PYRO_DISTRIBUTED_EXTRAS:-dev,examples}]"
+echo "[setup] installing pyro-distributed[${PYRO_DISTRIBUTED_EXTRAS:-dev,examples,lightning}]"
 # torch==VERSION again, so that the package's torch>=2.1 cannot swap the build
 # installed above for another (a local label such as +cpu satisfies it).
-python -m pip install -q -e "$PYRO_DISTRIBUTED_ROOT[${PYRO_DISTRIBUTED_EXTRAS:-dev,examples}]" \
+python -m pip install -q -e "$PYRO_DISTRIBUTED_ROOT[${PYRO_DISTRIBUTED_EXTRAS:-dev,examples,lightning}]" \
     "torch==$PYRO_DISTRIBUTED_TORCH"

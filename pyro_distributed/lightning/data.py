@@ -46,7 +46,7 @@ class IndexedDataset(Dataset[tuple[Any, ...]]):
         self.dataset = dataset
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset)
 
     def __getitem__(self, index: Any) -> tuple[Any, ...]:
         """``(index, *item)``; a slice or a tensor of indices gives their indices."""

@@ -31,11 +31,10 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 
 from .. import runtime
@@ -44,7 +43,6 @@ from ..data.shards import ShardSampler
 from ..data.subsample import shard_subsamples
 from ..engines import ENGINE_NAMES, Engine
 from ..errors import PyroDistributedError
-from ..optim.distributed import DistributedOptimizer
 from ..optim.torch_optimizer import DistributedTorchOptimizer
 from . import internals
 from .data import EvaluationSampler, is_plain_sampler
@@ -209,7 +207,9 @@ class PyroDistributedStrategy(DDPStrategy):
         if isinstance(optimizer, DistributedTorchOptimizer):
             wrapped = optimizer
         else:
-            wrapped = DistributedOptimizer(optimizer, engine=self.engine, **self._optimizer_options)
+            wrapped = DistributedTorchOptimizer(
+                optimizer, engine=self.engine, **self._optimizer_options
+            )
         wrapped.engine  # noqa: B018 (bind now, before Lightning wraps it in a LightningOptimizer)
         return wrapped
 
@@ -319,7 +319,7 @@ class PyroDistributedStrategy(DDPStrategy):
     # -- registration
 
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name,
             cls,

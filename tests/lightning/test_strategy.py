@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ..harness import free_port
-from .scripts.fit_regression import N, N_VAL, SIGMA, make_data
+from .scripts.fit_regression import N_VAL, SIGMA, N, make_data
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fit_regression.py"
@@ -44,7 +44,8 @@ def fit(tmp_path: Path, *options: str, torchrun: bool = False, timeout: float = 
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
     )
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    output = f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, f"exit {done.returncode}\n{output}"
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
@@ -133,3 +134,17 @@ def test_an_engine_the_strategy_cannot_use_is_refused(engine: str) -> None:
 
     with pytest.raises(ValueError, match="choose 'auto', 'torch' or 'horovod'"):
         PyroDistributedStrategy(engine=engine)
+
+
+def test_the_core_package_never_imports_lightning() -> None:
+    code = "import sys, pyro_distributed; assert 'lightning' not in sys.modules, 'imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_strategy_is_registered_under_its_name() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from pyro_distributed.lightning import PyroDistributedStrategy
+
+    assert StrategyRegistry.get("pyro_distributed").__class__ is PyroDistributedStrategy

@@ -181,8 +181,9 @@ def main() -> None:
     }
     if args.strategy == "ours":
         strategy = trainer.strategy
-        record["reduce_sum"] = float(strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum"))
-        record["reduce_min"] = float(strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="min"))
+        mine = torch.tensor(float(rank + 1))
+        record["reduce_sum"] = float(strategy.reduce(mine, reduce_op="sum"))
+        record["reduce_min"] = float(strategy.reduce(mine, reduce_op="min"))
         record["broadcast"] = strategy.broadcast(f"from {rank}", src=1)
         predictions = trainer.predict(plan, DataLoader(val, batch_size=16))
         record["predictions"] = torch.cat(predictions).tolist() if predictions else []
