@@ -43,6 +43,7 @@ from ..data.shards import ShardSampler
 from ..data.subsample import shard_subsamples
 from ..engines import ENGINE_NAMES, Engine
 from ..errors import PyroDistributedError
+from ..local.gradients import split_local
 from ..optim.torch_optimizer import DistributedTorchOptimizer
 from . import internals
 from .data import EvaluationSampler, is_plain_sampler
@@ -99,7 +100,12 @@ class PyroDistributedStrategy(DDPStrategy):
         With ``own_local_params=True``, the model's plate over the data must
         take its subsample from the batch: ``pyro.plate(name, N,
         subsample=indices)``, with ``indices`` from
-        :class:`~pyro_distributed.lightning.IndexedDataset`.
+        :class:`~pyro_distributed.lightning.IndexedDataset`. Create a lazily
+        built guide's parameters after the workers have met, in the
+        LightningModule's ``setup()`` and inside
+        ``pd.shard_subsamples(own_local_params=True, by_block=True)``, on
+        indices from this worker's block: a parameter that a forward pass
+        used with all its rows cannot be cut afterwards.
     """
 
     strategy_name = "pyro_distributed"
@@ -192,8 +198,11 @@ class PyroDistributedStrategy(DDPStrategy):
 
     def _broadcast_module(self, module: torch.nn.Module) -> None:
         """Worker 0's parameters and buffers on every worker (those that exist
-        yet; a lazily built guide's are broadcast at their first step)."""
-        tensors = [t for t in module.state_dict().values() if isinstance(t, Tensor)]
+        yet; a lazily built guide's are broadcast at their first step). Local
+        parameters keep each worker's own rows."""
+        named = module.state_dict(keep_vars=True)
+        replicated, _ = split_local({n: t for n, t in named.items() if isinstance(t, Tensor)})
+        tensors = [tensor.detach() for tensor in replicated.values()]
         if tensors and self.engine.world_size > 1:
             with torch.no_grad():
                 self.engine.broadcast_(tensors, src=0)
