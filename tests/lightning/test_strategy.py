@@ -128,6 +128,14 @@ def test_the_strategy_under_torchrun(tmp_path: Path) -> None:
     assert records[0]["predictions"] == list(range(N_VAL))
 
 
+def test_early_stopping_stops_every_worker_at_the_same_step(tmp_path: Path) -> None:
+    # Worker 1's signal gets worse at epoch 1 (patience 1: it stops there);
+    # worker 0's keeps improving. Both must stop together.
+    records = fit(tmp_path, "--plan", "auto", "--epochs", "8", "--early-stop")
+    assert [r["global_step"] for r in records] == [10, 10]  # 2 epochs of 5 steps, not 8
+    assert_in_sync(records)
+
+
 @pytest.mark.parametrize("engine", ["local", "mpi-ish"])
 def test_an_engine_the_strategy_cannot_use_is_refused(engine: str) -> None:
     from pyro_distributed.lightning import PyroDistributedStrategy

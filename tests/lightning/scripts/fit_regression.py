@@ -64,6 +64,13 @@ class Recorder(pl.LightningModule):
     def on_train_start(self) -> None:
         pd.set_rng_seed(1)  # independent guide noise on each worker, now that they have met
 
+    def on_train_epoch_end(self) -> None:
+        # Each worker's own signal, not synchronised: worker 1's stops improving
+        # after epoch 1, worker 0's never does. EarlyStopping must stop both.
+        epoch = float(self.current_epoch)
+        signal = -epoch if self.global_rank == 0 else min(epoch, 1.0)
+        self.log("signal", signal, rank_zero_only=False)
+
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         indices = batch[0]
         self.val_seen.extend(indices.tolist())
@@ -131,6 +138,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--batch", type=int, default=100, help="rows per worker per step")
     parser.add_argument("--lr", type=float, default=0.05, help="the automatic plan's Adam")
+    parser.add_argument("--early-stop", action="store_true", help="EarlyStopping on 'signal'")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -149,7 +157,15 @@ def main() -> None:
         built_alone = pd.world_size()  # before Lightning's process group: one worker here
         plan = ManualPlan(optim)
     strategy: Any = PyroDistributedStrategy() if args.strategy == "ours" else "ddp"
+    callbacks = []
+    if args.early_stop:
+        callbacks.append(
+            pl.callbacks.EarlyStopping(
+                monitor="signal", patience=1, mode="min", check_on_train_epoch_end=True
+            )
+        )
     trainer = pl.Trainer(
+        callbacks=callbacks,
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
