@@ -20,6 +20,8 @@ it changes is what DDP does with gradients and data:
   and ``barrier`` run on the engine, and so does ``EarlyStopping``'s decision.
 * ``trainer.predict`` returns every worker's predictions, in the data's
   order, on worker 0.
+* Checkpoints carry every worker's RNG states, so that ``trainer.fit(...,
+  ckpt_path=...)`` at the same world size continues bitwise.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -38,18 +41,22 @@ from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 
 from .. import runtime
+from ..checkpoint import files
 from ..checks import check_bool
 from ..data.shards import ShardSampler
 from ..data.subsample import shard_subsamples
 from ..engines import ENGINE_NAMES, Engine
 from ..errors import PyroDistributedError
 from ..local.gradients import split_local
+from ..local.registry import local_params
 from ..optim.torch_optimizer import DistributedTorchOptimizer
+from ..seeding import shared_generator
 from . import internals
 from .data import EvaluationSampler, is_plain_sampler
 
 __all__ = ["PyroDistributedStrategy"]
 
+_CHECKPOINT_KEY = "pyro_distributed"
 _REDUCE_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 
 
@@ -325,6 +332,41 @@ class PyroDistributedStrategy(DDPStrategy):
                 [p for piece in pieces for p in piece[loader]] for loader in range(len(predictions))
             ]
 
+    # -- checkpoints: every worker's RNG state travels with Lightning's
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Lightning's checkpoint, plus every worker's RNG states (a collective:
+        Lightning calls it on every worker; worker 0 writes the file).
+
+        :raises PyroDistributedError: on every worker, if some parameters are
+            local: worker 0's file would hold only its own block of them.
+        """
+        local = sorted(local_params())
+        if local and self.engine.world_size > 1:
+            raise PyroDistributedError(
+                f"PyroDistributedStrategy cannot yet write a Lightning checkpoint of local "
+                f"parameters ({', '.join(local[:3])}{' ...' if len(local) > 3 else ''}): each "
+                f"worker holds only its block. Save with pd.save_checkpoint(path, optimizer, "
+                f"module=...) from a callback instead"
+            )
+        checkpoint[_CHECKPOINT_KEY] = {
+            "world_size": self.engine.world_size,
+            "rng": [_loadable(state) for state in files.gather_rng(self.engine)],
+            "shared_rng": shared_generator().get_state(),
+        }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """The module's state, then this worker's RNG states when the checkpoint
+        has them for this world size (so that a resumed run continues bitwise)."""
+        super().load_model_state_dict(checkpoint, strict=strict)
+        state = checkpoint.get(_CHECKPOINT_KEY)
+        if state is not None:
+            rng = [_restorable(worker) for worker in state["rng"]]
+            files.restore_rng({**state, "rng": rng}, self.engine)
+
     # -- registration
 
     @classmethod
@@ -334,6 +376,20 @@ class PyroDistributedStrategy(DDPStrategy):
             cls,
             description="data-parallel training with pyro_distributed's optimizers, no DDP wrapper",
         )
+
+
+def _loadable(worker_state: Any) -> Any:
+    """A worker's RNG states in types that ``torch.load(weights_only=True)``
+    (Lightning's default) accepts: NumPy's key array as a list of ints."""
+    rng, blocks = worker_state
+    kind, keys, *rest = rng["numpy"]
+    return {**rng, "numpy": (kind, keys.tolist(), *rest)}, blocks
+
+
+def _restorable(worker_state: Any) -> Any:
+    rng, blocks = worker_state
+    kind, keys, *rest = rng["numpy"]
+    return {**rng, "numpy": (kind, np.asarray(keys, dtype=np.uint32), *rest)}, blocks
 
 
 def _reduce_op(reduce_op: Any) -> str:

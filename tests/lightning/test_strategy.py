@@ -136,6 +136,21 @@ def test_early_stopping_stops_every_worker_at_the_same_step(tmp_path: Path) -> N
     assert_in_sync(records)
 
 
+def test_a_run_resumed_from_model_checkpoint_continues_bitwise(tmp_path: Path) -> None:
+    # Validation every epoch in all three runs: its loader draws from the RNG.
+    plan = ["--plan", "auto", "--val-every", "1"]
+    straight = fit(tmp_path / "straight", *plan, "--epochs", "4")
+    checkpoints = tmp_path / "checkpoints"
+    fit(tmp_path / "first", *plan, "--epochs", "2", "--checkpoint-dir", str(checkpoints))
+    resumed = fit(
+        tmp_path / "resumed", *plan, "--epochs", "4", "--resume", str(checkpoints / "last.ckpt")
+    )
+    assert [r["global_step"] for r in resumed] == [20, 20]
+    for a, b in zip(straight, resumed, strict=True):
+        for name in a["posterior"]:
+            assert torch.equal(a["posterior"][name], b["posterior"][name]), name
+
+
 @pytest.mark.parametrize("engine", ["local", "mpi-ish"])
 def test_an_engine_the_strategy_cannot_use_is_refused(engine: str) -> None:
     from pyro_distributed.lightning import PyroDistributedStrategy

@@ -62,7 +62,8 @@ class Recorder(pl.LightningModule):
         self.val_seen: list[int] = []
 
     def on_train_start(self) -> None:
-        pd.set_rng_seed(1)  # independent guide noise on each worker, now that they have met
+        if self.trainer.ckpt_path is None:  # a resumed run has its RNG states back
+            pd.set_rng_seed(1)  # independent guide noise on each worker, now that they have met
 
     def on_train_epoch_end(self) -> None:
         # Each worker's own signal, not synchronised: worker 1's stops improving
@@ -139,6 +140,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=100, help="rows per worker per step")
     parser.add_argument("--lr", type=float, default=0.05, help="the automatic plan's Adam")
     parser.add_argument("--early-stop", action="store_true", help="EarlyStopping on 'signal'")
+    parser.add_argument("--val-every", type=int, help="epochs between validations (default: last)")
+    parser.add_argument("--checkpoint-dir", type=Path, help="ModelCheckpoint(save_last=True)")
+    parser.add_argument("--resume", type=Path, help="trainer.fit(ckpt_path=...)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -164,6 +168,12 @@ def main() -> None:
                 monitor="signal", patience=1, mode="min", check_on_train_epoch_end=True
             )
         )
+    if args.checkpoint_dir is not None:
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                dirpath=args.checkpoint_dir, save_last=True, save_on_train_epoch_end=True
+            )
+        )
     trainer = pl.Trainer(
         callbacks=callbacks,
         accelerator="cpu",
@@ -173,16 +183,16 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.checkpoint_dir is not None,
         num_sanity_val_steps=0,
-        check_val_every_n_epoch=args.epochs,
+        check_val_every_n_epoch=args.val_every or args.epochs,
     )
     loader = DataLoader(train, batch_size=args.batch, shuffle=True)
     val_loader = DataLoader(val, batch_size=16)
     if args.strategy == "ddp":  # plain DDP: each worker its half, by Lightning's sampler
         trainer.fit(plan, loader)
     else:
-        trainer.fit(plan, loader, val_loader)
+        trainer.fit(plan, loader, val_loader, ckpt_path=args.resume)
     rank = trainer.global_rank
     record: dict[str, Any] = {
         "rank": rank,
