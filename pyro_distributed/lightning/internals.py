@@ -16,6 +16,9 @@ version, when one of these moves.
   ``trainer.predict`` records which rows each batch held. The strategy gives
   the plain batch sampler inside it another sampler (``BatchSampler.sampler``
   is public), since rebuilding the loader would lose the wrapper.
+* ``rank_zero_only.rank``: which process Lightning's ``rank_zero_*``
+  helpers treat as worker 0. DDP sets it from its device count; under
+  ``horovodrun`` the strategy sets it from Horovod's rank.
 * ``_optimizers_to_device``: moves optimizer state to the strategy's device,
   as Lightning's own strategies do.
 """
@@ -24,13 +27,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.utilities import rank_zero as fabric_rank_zero
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero as pytorch_rank_zero
 from lightning.pytorch.utilities.data import _update_dataloader
+from lightning_utilities.core import rank_zero as utilities_rank_zero
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
-__all__ = ["disable_sampler_injection", "optimizers_to_device", "with_sampler"]
+__all__ = ["disable_sampler_injection", "optimizers_to_device", "set_rank_zero", "with_sampler"]
 
 
 def disable_sampler_injection(trainer: Any) -> None:
@@ -60,3 +66,9 @@ def with_sampler(
 def optimizers_to_device(optimizers: Any, device: Any) -> None:
     """Move every optimizer's state to ``device``."""
     _optimizers_to_device(optimizers, device)
+
+
+def set_rank_zero(rank: int) -> None:
+    """Tell Lightning's ``rank_zero_only`` helpers this process's global rank."""
+    for module in (utilities_rank_zero, fabric_rank_zero, pytorch_rank_zero):
+        module.rank_zero_only.rank = rank

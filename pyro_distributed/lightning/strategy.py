@@ -171,10 +171,34 @@ class PyroDistributedStrategy(DDPStrategy):
             )
         return self._engine
 
+    def _configure_launcher(self) -> None:
+        if self._engine_name == "horovod":
+            self._launcher = None  # horovodrun started every worker itself
+        else:
+            super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        """The device, then the workers: DDP's process group and the engine on it,
+        or, with ``engine="horovod"``, Horovod's workers and no torch process group."""
+        if self._engine_name != "horovod":
+            super().setup_environment()  # calls setup_distributed()
+            return
+        super(DDPStrategy, self).setup_environment()  # the device alone
+        self._engine = runtime.init("horovod")
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_world_size(self._engine.world_size)
+        self.cluster_environment.set_global_rank(self._engine.rank)
+        internals.set_rank_zero(self._engine.rank)
+        self._check_world_size()
+
     def setup_distributed(self) -> None:
         """Lightning's process group (made by DDP's set-up), then the engine on it."""
         super().setup_distributed()
         self._engine = runtime.init(self._engine_name)
+        self._check_world_size()
+
+    def _check_world_size(self) -> None:
+        assert self._engine is not None
         if self._engine.world_size != self.world_size:
             raise PyroDistributedError(
                 f"PyroDistributedStrategy: Lightning counts {self.world_size} worker(s) "
@@ -276,6 +300,10 @@ class PyroDistributedStrategy(DDPStrategy):
         if group is not None:
             raise ValueError("PyroDistributedStrategy.reduce works on all workers; pass group=None")
         op = _reduce_op(reduce_op)
+        with torch.inference_mode(False):  # Lightning evaluates in inference mode
+            return self._reduced(tensor, op)
+
+    def _reduced(self, tensor: Tensor, op: str) -> Tensor:
         result = tensor.detach().clone()
         if op == "mean" and not result.is_floating_point():
             result = result.double()
@@ -290,7 +318,8 @@ class PyroDistributedStrategy(DDPStrategy):
         """Worker ``src``'s ``obj`` (picklable) on every worker."""
         if self._engine is None or self._engine.world_size == 1:
             return obj
-        return self._engine.allgather_object(obj)[src]
+        with torch.inference_mode(False):
+            return self._engine.allgather_object(obj)[src]
 
     def all_gather(
         self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False
@@ -301,8 +330,9 @@ class PyroDistributedStrategy(DDPStrategy):
                 "PyroDistributedStrategy.all_gather gathers values from all workers; "
                 "group= and sync_grads=True are not supported"
             )
-        pieces = self.engine.allgather_object(tensor.detach().cpu())
-        return torch.stack(pieces).to(tensor.device)
+        with torch.inference_mode(False):
+            pieces = self.engine.allgather_object(tensor.detach().cpu())
+            return torch.stack(pieces).to(tensor.device)
 
     def barrier(self, name: str | None = None) -> None:
         if self._engine is not None:
@@ -322,7 +352,8 @@ class PyroDistributedStrategy(DDPStrategy):
             return
         loop = trainer.predict_loop
         predictions = loop.predictions  # the very list that trainer.predict returns
-        pieces = self.engine.allgather_object(predictions)
+        with torch.inference_mode(False):  # trainer.predict runs in inference mode
+            pieces = self.engine.allgather_object(predictions)
         if self.engine.rank != 0:
             predictions.clear()
         elif loop.num_dataloaders == 1:

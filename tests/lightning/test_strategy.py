@@ -26,10 +26,21 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "fit_regression.py"
 BIN = Path(sys.executable).parent
 
 
-def fit(tmp_path: Path, *options: str, torchrun: bool = False, timeout: float = 300) -> list[Any]:
+def fit(
+    tmp_path: Path,
+    *options: str,
+    torchrun: bool = False,
+    horovodrun: bool = False,
+    timeout: float = 300,
+) -> list[Any]:
     """Run the script on 2 workers; every worker's record, by rank."""
     out = tmp_path / "out"
     command = [sys.executable, str(SCRIPT), "--out", str(out), *options]
+    if horovodrun:
+        command = [
+            str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
+            *command, "--devices", "1", "--engine", "horovod",
+        ]  # fmt: skip
     if torchrun:
         command = [
             str(BIN / "torchrun"), "--nproc-per-node=2", "--master-addr=127.0.0.1",
@@ -149,6 +160,20 @@ def test_a_run_resumed_from_model_checkpoint_continues_bitwise(tmp_path: Path) -
     for a, b in zip(straight, resumed, strict=True):
         for name in a["posterior"]:
             assert torch.equal(a["posterior"][name], b["posterior"][name]), name
+
+
+@pytest.mark.horovod
+def test_the_strategy_on_horovod_under_horovodrun(tmp_path: Path) -> None:
+    # Lightning 2 has no Horovod strategy; this is one: no torch process group,
+    # every collective (gradients, logging, prediction) on Horovod.
+    records = fit(tmp_path, "--plan", "auto", "--epochs", "2", horovodrun=True)
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["world_size"] == 2 and r["engine_world_size"] == 2 for r in records)
+    assert_in_sync(records)
+    assert_each_epoch_shares_the_rows(records, epochs=2)
+    assert all(r["metrics"]["val_rows"] == N_VAL for r in records)
+    assert [r["reduce_sum"] for r in records] == [3.0, 3.0]
+    assert records[0]["predictions"] == list(range(N_VAL))
 
 
 @pytest.mark.parametrize("engine", ["local", "mpi-ish"])

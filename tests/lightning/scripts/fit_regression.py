@@ -135,6 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--plan", choices=["auto", "manual"], default="auto")
     parser.add_argument("--strategy", choices=["ours", "ddp"], default="ours")
+    parser.add_argument("--engine", default="auto", help="PyroDistributedStrategy(engine=...)")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--batch", type=int, default=100, help="rows per worker per step")
@@ -160,7 +161,9 @@ def main() -> None:
         optim = pd.DistributedOptimizer(pyro.optim.ClippedAdam({"lr": 0.1, "lrd": 0.995}))
         built_alone = pd.world_size()  # before Lightning's process group: one worker here
         plan = ManualPlan(optim)
-    strategy: Any = PyroDistributedStrategy() if args.strategy == "ours" else "ddp"
+    strategy: Any = (
+        PyroDistributedStrategy(engine=args.engine) if args.strategy == "ours" else "ddp"
+    )
     callbacks = []
     if args.early_stop:
         callbacks.append(
