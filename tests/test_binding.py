@@ -84,6 +84,7 @@ def stepped_before_the_group(front_end: str) -> str:
     _meet(rank, world_size, address)
     with pytest.raises(pd.PyroDistributedError) as raised:
         _step(optimizer, param, _TARGETS[rank])
+    dist.barrier()  # worker 0 hosts the rendezvous: it must not leave before the others joined
     return str(raised.value)
 
 

@@ -26,8 +26,10 @@ it changes is what DDP does with gradients and data:
 
 from __future__ import annotations
 
+import atexit
+import sys
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -196,6 +198,7 @@ class PyroDistributedStrategy(DDPStrategy):
         super().setup_distributed()
         self._engine = runtime.init(self._engine_name)
         self._check_world_size()
+        atexit.register(_leave_together, self._engine)
 
     def _check_world_size(self) -> None:
         assert self._engine is not None
@@ -407,6 +410,22 @@ class PyroDistributedStrategy(DDPStrategy):
             cls,
             description="data-parallel training with pyro_distributed's optimizers, no DDP wrapper",
         )
+
+
+def _leave_together(engine: Engine) -> None:
+    """At exit, meet once more and tear Lightning's process group down.
+
+    Lightning leaves its group to the interpreter's exit. A gloo group torn
+    down while a peer's is still open can abort the slower process
+    ("terminate called without an active exception"), so every worker waits
+    for the others (bounded by the engine's time-out) before destroying it.
+    """
+    if not torch.distributed.is_initialized():
+        return
+    if not hasattr(sys, "last_value"):  # after an uncaught exception, leave at once
+        with suppress(PyroDistributedError):
+            engine.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def _loadable(worker_state: Any) -> Any:
