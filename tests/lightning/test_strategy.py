@@ -162,6 +162,27 @@ def test_a_run_resumed_from_model_checkpoint_continues_bitwise(tmp_path: Path) -
             assert torch.equal(a["posterior"][name], b["posterior"][name]), name
 
 
+def test_a_checkpoint_resumes_at_another_world_size(tmp_path: Path) -> None:
+    # Written by 2 workers, resumed by 1: the module and optimizer state are
+    # whole; RNG states are per worker and restored only at the same W.
+    plan = ["--plan", "auto", "--val-every", "1"]
+    checkpoints = tmp_path / "checkpoints"
+    first = fit(tmp_path / "first", *plan, "--epochs", "2", "--checkpoint-dir", str(checkpoints))
+    out = tmp_path / "one"
+    command = [
+        sys.executable, str(SCRIPT), "--out", str(out), *plan, "--epochs", "3",
+        "--devices", "1", "--resume", str(checkpoints / "last.ckpt"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-6000:]
+    (one,) = [torch.load(out / "rank0.pt")]
+    # 2 x 5 steps restored, then one epoch of 10 steps alone (from scratch: 30).
+    assert one["world_size"] == 1 and one["global_step"] == 10 + 10
+    assert len(one["seen"]) == N  # the third epoch: every row, on the one worker
+    assert [r["global_step"] for r in first] == [10, 10]
+
+
 @pytest.mark.horovod
 def test_the_strategy_on_horovod_under_horovodrun(tmp_path: Path) -> None:
     # Lightning 2 has no Horovod strategy; this is one: no torch process group,
