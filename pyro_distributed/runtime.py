@@ -36,6 +36,8 @@ __all__ = [
 ]
 
 _engine: Engine | None = None
+# Whether _engine was chosen by "auto" (and may be replaced when it is outgrown).
+_detected = False
 
 
 def _as_timedelta(timeout: float | timedelta) -> timedelta:
@@ -53,10 +55,14 @@ def init(engine: str = "auto", *, timeout: float | timedelta | None = None) -> E
     :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"``, ``"mpi"``
         or ``"local"``. ``"auto"`` returns the running engine if there is one;
         otherwise it picks ``horovod`` under ``horovodrun``, ``torch`` under
-        ``torchrun`` or when a torch.distributed process group exists, ``mpi``
-        under ``mpirun``, ``mpiexec`` or ``srun`` (it needs mpi4py:
-        ``pip install pyro-distributed[mpi]``), and ``local`` (one process,
-        no communication) otherwise.
+        ``torchrun`` or when a torch.distributed process group exists (one
+        that Lightning, Ray Train or Accelerate created is adopted, not
+        replaced), ``mpi`` under ``mpirun``, ``mpiexec`` or ``srun`` (it needs
+        mpi4py: ``pip install pyro-distributed[mpi]``), and ``local`` (one
+        process, no communication) otherwise. A ``local`` engine that
+        ``"auto"`` chose is replaced once a larger process group appears;
+        optimizers already bound to it then raise
+        :class:`PyroDistributedError` instead of averaging over one worker.
     :param timeout: how long, in seconds or as a :class:`~datetime.timedelta`,
         any collective may block before every worker raises
         :class:`PyroDistributedError`. Defaults to 60 seconds.
@@ -75,12 +81,15 @@ def init(engine: str = "auto", *, timeout: float | timedelta | None = None) -> E
         Call :func:`init` at the same point on every worker: with the torch,
         horovod and mpi engines it is itself a collective.
     """
-    global _engine
+    global _engine, _detected
     wanted_timeout = None if timeout is None else _as_timedelta(timeout)
     if engine != "auto" and engine not in ENGINE_NAMES:
         raise ValueError(
             f"unknown engine {engine!r}; choose 'auto' or one of {', '.join(ENGINE_NAMES)}"
         )
+    if _engine is not None and _detected and engine == "auto" and _engine.outgrown():
+        _engine.shutdown()  # a local engine: nothing to tear down, nothing in flight
+        _engine = None
     if _engine is not None:
         if engine not in ("auto", _engine.name):
             raise PyroDistributedError(
@@ -96,12 +105,14 @@ def init(engine: str = "auto", *, timeout: float | timedelta | None = None) -> E
         return _engine
     name = detect_engine() if engine == "auto" else engine
     _engine = create_engine(name, wanted_timeout or DEFAULT_TIMEOUT)
+    _detected = engine == "auto"
     return _engine
 
 
 def current_engine() -> Engine:
-    """The running engine, started with ``init("auto")`` if none is running."""
-    return _engine if _engine is not None else init()
+    """The running engine, started with ``init("auto")`` if none is running
+    (or if the running one was outgrown, see :func:`init`)."""
+    return init()
 
 
 def shutdown() -> None:

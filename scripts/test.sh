@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The project's whole check, as CI runs it: set up the venv (with the mpi extra:
-# mpi4py and the MPICH wheel), build Horovod (cached after the first run), lint,
-# type-check, check the import layers and run every test, the MPI ones under
-# the real mpiexec included.
+# The project's whole check, as CI runs it: set up the venv (with the mpi extra,
+# mpi4py and the MPICH wheel, and the lightning extra), build Horovod (cached
+# after the first run), lint, type-check, check the import layers and run every
+# test, the MPI ones under the real mpiexec and Lightning's under its launcher.
 #
 #   bash scripts/test.sh [extra pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYRO_DISTRIBUTED_EXTRAS=${PYRO_DISTRIBUTED_EXTRAS:-dev,examples,mpi}
+PYRO_DISTRIBUTED_EXTRAS=${PYRO_DISTRIBUTED_EXTRAS:-dev,examples,mpi,lightning}
 . scripts/setup_env.sh
 
 bash scripts/install_horovod.sh

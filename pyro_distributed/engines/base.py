@@ -81,6 +81,15 @@ class Engine(abc.ABC):
         """Whether this process was launched for this engine (read from the environment)."""
         return False
 
+    def outgrown(self) -> str | None:
+        """A larger group of workers that this process has joined since this
+        engine started, described for a message; ``None`` if there is none.
+
+        Only an engine of one worker can be outgrown: it was chosen before a
+        launcher or a host framework (Lightning, say) created a process group.
+        """
+        return None
+
     @property
     def timeout(self) -> timedelta:
         """How long a collective may block before it fails."""

@@ -2,13 +2,20 @@
 
 Every collective is a no-op on its input, so code written for many workers
 runs unchanged, and at no cost, as a single ``python script.py``.
+
+It is also what ``engine="auto"`` finds in a process whose launcher has not
+yet created its process group (Lightning creates it inside ``trainer.fit``).
+:meth:`LocalEngine.outgrown` notices such a group once it exists, so that
+nothing bound to this engine goes on averaging over one worker.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor
 
 from .base import Engine, ReduceOp
@@ -32,6 +39,14 @@ class LocalEngine(Engine):
     @property
     def world_size(self) -> int:
         return 1
+
+    def outgrown(self) -> str | None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return f"a torch.distributed process group of {dist.get_world_size()} workers"
+        hvd = sys.modules.get("horovod.torch")  # only if someone imported it: never import it here
+        if hvd is not None and hvd.is_initialized() and hvd.size() > 1:
+            return f"a Horovod job of {hvd.size()} workers"
+        return None
 
     def allreduce_(
         self, tensors: Sequence[Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()

@@ -29,7 +29,8 @@ class Synchronised(Protocol):
     """What :func:`assert_in_sync` reads of an optimizer: its engine, the
     parameters it steps and their state, by names shared by every worker."""
 
-    engine: Engine
+    @property
+    def engine(self) -> Engine: ...
 
     def checked_tensors(self) -> dict[str, Tensor]: ...
 

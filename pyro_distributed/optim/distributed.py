@@ -29,11 +29,12 @@ from ..checks import check_bool
 from ..engines import Engine
 from ..exchange.averager import Reduction
 from ..exchange.compression import Compression, compressor
+from ..exchange.sync import GradientSync
 from ..local.gradients import LocalGradients, split_local
 from .consistency import assert_in_sync
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .noise_scale import NoiseScale, NoiseScaleEstimator
-from .options import check_options, make_sync, start_engine
+from .options import EngineBinding, check_options, make_sync
 from .schedulers import step_schedulers
 from .sparse_step import SparseStepper
 from .step_guards import refuse_nonfinite
@@ -59,7 +60,10 @@ class DistributedOptimizer(PyroOptim):
         ``multi_tensor``.
     :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"``, ``"mpi"``,
         ``"local"``, or a running :class:`~pyro_distributed.engines.Engine`.
-        A name starts the engine with :func:`pyro_distributed.init` if needed.
+        A name other than ``"local"`` is bound at the first step, not here,
+        with :func:`pyro_distributed.init`: an optimizer built before
+        Lightning (or any launcher) has created its process group still
+        averages over all of its workers.
     :param bucket_cap_mb: largest fused gradient buffer, in MiB.
     :param nonfinite: what every worker does when an averaged gradient holds
         NaN or Inf (a non-finite gradient on any worker reaches the average):
@@ -129,6 +133,12 @@ class DistributedOptimizer(PyroOptim):
         scripts.
 
     .. warning::
+        An optimizer bound to one worker (stepped, or built with
+        ``engine="local"``, before the process group existed) raises
+        :class:`~pyro_distributed.PyroDistributedError` at its next step once
+        a group of more workers exists, instead of averaging over one worker.
+
+    .. warning::
         Give each worker different data. Inside ``pyro.plate(...,
         subsample_size=b)`` every worker draws the same subsample unless the
         subsampling is sharded; otherwise the workers duplicate each other.
@@ -162,10 +172,9 @@ class DistributedOptimizer(PyroOptim):
         check_options(bucket_cap_mb, nonfinite, check_every, overlap)
         check_bool("multi_tensor", multi_tensor, optional=True)
         reduction = Reduction(compression=compressor(compression))
-        running = start_engine(engine)
         self._configure(
             pyro_optim,
-            running,
+            engine,
             bucket_cap_mb,
             reduction,
             nonfinite,
@@ -178,7 +187,7 @@ class DistributedOptimizer(PyroOptim):
     def _configure(
         self,
         pyro_optim: PyroOptim,
-        engine: Engine,
+        engine: str | Engine,
         bucket_cap_mb: float,
         reduction: Reduction,
         nonfinite: Literal["skip", "raise"] = "skip",
@@ -200,7 +209,6 @@ class DistributedOptimizer(PyroOptim):
                 f"wrap the plain optimizer once"
             )
         self.wrapped = pyro_optim
-        self.engine = engine
         self.nonfinite = nonfinite
         self.check_every = check_every
         if multi_tensor:
@@ -211,14 +219,42 @@ class DistributedOptimizer(PyroOptim):
         self._stepper = GroupedStepper(pyro_optim) if grouped else None
         #: How many times the optimizer was called (saved in checkpoints).
         self.num_steps = 0
-        self._noise = NoiseScaleEstimator.create(noise_scale, engine.world_size)
-        #: The gradient exchange; ``None`` with one worker, which has nothing to
-        #: exchange. Its read-only properties (``overlaps``, ``overlap_armed``,
-        #: ``bucket_count``) show how gradients travel.
-        self.sync = make_sync(engine, bucket_cap_mb, reduction, overlap, self._noise, "param store")
-        self._local = LocalGradients(engine)
+        self._bucket_cap_mb, self._reduction, self._overlap = bucket_cap_mb, reduction, overlap
+        NoiseScaleEstimator.smoothing_of(noise_scale)  # a wrong value fails here, not at step 1
+        self._noise_option = noise_scale
+        self._noise: NoiseScaleEstimator | None = None
+        self._sync: GradientSync | None = None
+        self._local: LocalGradients | None = None
         # Steps the rows of local_updates="sparse" parameters (optim.sparse_step).
         self._sparse = SparseStepper(pyro_optim)
+        self._binding = EngineBinding(engine)
+        if self._binding.bound:
+            self._bind()
+
+    @property
+    def engine(self) -> Engine:
+        """The engine this optimizer averages on, chosen at its first step
+        (:class:`~pyro_distributed.optim.options.EngineBinding`)."""
+        engine = self._binding.engine()
+        if self._local is None:
+            self._bind()
+        return engine
+
+    def _bind(self) -> None:
+        engine = self._binding.engine()
+        self._noise = NoiseScaleEstimator.create(self._noise_option, engine.world_size)
+        self._sync = make_sync(
+            engine, self._bucket_cap_mb, self._reduction, self._overlap, self._noise, "param store"
+        )
+        self._local = LocalGradients(engine)
+
+    @property
+    def sync(self) -> GradientSync | None:
+        """The gradient exchange; ``None`` with one worker, which has nothing to
+        exchange. Its read-only properties (``overlaps``, ``overlap_armed``,
+        ``bucket_count``) show how gradients travel."""
+        self.engine  # noqa: B018 (binds the engine)
+        return self._sync
 
     @property
     def grouped(self) -> bool:
@@ -243,12 +279,14 @@ class DistributedOptimizer(PyroOptim):
         # Parameters read under local_updates="sparse" leave here: they have
         # row gradients, not a .grad (pyro_distributed.local.sparse).
         params, sparse = self._sparse.take(params)
-        if self.sync is None:
+        sync = self.sync
+        if sync is None:
             self._step_wrapped(params, *args, **kwargs)
             self._sparse.step(sparse)
             return
+        assert self._local is not None  # bound with the sync
         replicated, local = split_local(_by_store_name(params))
-        exchanged = self.sync.exchange(replicated, _param_store)
+        exchanged = sync.exchange(replicated, _param_store)
         finite = exchanged.finite
         if local or sparse:
             # The sparse rows' finite check joins the same one-element reduction.
@@ -258,7 +296,7 @@ class DistributedOptimizer(PyroOptim):
         stepped = [*exchanged.tensors, *local.values()]
         if finite:
             if self._noise is not None and exchanged.tensors:  # before the wrapped optimizer clips
-                self._noise.observe(*self.sync.squared_norms())
+                self._noise.observe(*sync.squared_norms())
             self._step_wrapped(stepped, *args, **kwargs)
             self._sparse.step(sparse)
         else:
@@ -283,6 +321,7 @@ class DistributedOptimizer(PyroOptim):
         ``batch_size`` (data points per worker per step) adds B_simple in data
         points. ``print(optim.noise_scale(32))`` shows the figures and a reading.
         """
+        self.engine  # noqa: B018 (binds the engine)
         if self._noise is None:
             raise ValueError("noise_scale() needs DistributedOptimizer(..., noise_scale=True)")
         return self._noise.estimate(batch_size)
@@ -309,8 +348,8 @@ class DistributedOptimizer(PyroOptim):
         """
         self.wrapped.optim_objs.clear()
         self.wrapped.grad_clip.clear()
-        if self.sync is not None:
-            self.sync.forget()
+        if self._sync is not None:
+            self._sync.forget()
         if self._stepper is not None:
             self._stepper.forget()
         self._sparse.forget()
@@ -328,7 +367,7 @@ class DistributedOptimizer(PyroOptim):
         self.wrapped.set_state(state_dict)
 
     def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.wrapped!r}, engine={self.engine!r})"
+        return f"DistributedOptimizer({self.wrapped!r}, engine={self._binding.describe()})"
 
 
 def _by_store_name(params: Iterable[Tensor]) -> dict[str, Tensor]:

@@ -154,6 +154,27 @@ class NoiseScaleEstimator:
         self._trace_sigma = _MovingAverage(smoothing)
         self.steps = 0
 
+    @staticmethod
+    def smoothing_of(noise_scale: bool | float) -> float | None:
+        """The smoothing factor ``DistributedOptimizer(noise_scale=...)`` asks
+        for, or ``None`` when it asks for no measurement.
+
+        :raises TypeError: if ``noise_scale`` is not a bool or a float.
+        :raises ValueError: if it is a number outside (0, 1).
+        """
+        if isinstance(noise_scale, bool):
+            return DEFAULT_SMOOTHING if noise_scale else None
+        if isinstance(noise_scale, (int, float)):
+            if not 0.0 < noise_scale < 1.0:
+                raise ValueError(
+                    f"noise_scale must be True, False or a smoothing factor in (0, 1) (the "
+                    f"weight of each new step in the moving averages), got {noise_scale!r}"
+                )
+            return float(noise_scale)
+        raise TypeError(
+            f"noise_scale must be True, False or a float in (0, 1), got {noise_scale!r}"
+        )
+
     @classmethod
     def create(cls, noise_scale: bool | float, world_size: int) -> NoiseScaleEstimator | None:
         """The estimator that ``DistributedOptimizer(noise_scale=...)`` asks for, or ``None``.
@@ -162,19 +183,7 @@ class NoiseScaleEstimator:
         :raises ValueError: if it is a number outside (0, 1), or if it is on
             with fewer than two workers.
         """
-        if isinstance(noise_scale, bool):
-            smoothing = DEFAULT_SMOOTHING if noise_scale else None
-        elif isinstance(noise_scale, (int, float)):
-            if not 0.0 < noise_scale < 1.0:
-                raise ValueError(
-                    f"noise_scale must be True, False or a smoothing factor in (0, 1) (the "
-                    f"weight of each new step in the moving averages), got {noise_scale!r}"
-                )
-            smoothing = float(noise_scale)
-        else:
-            raise TypeError(
-                f"noise_scale must be True, False or a float in (0, 1), got {noise_scale!r}"
-            )
+        smoothing = cls.smoothing_of(noise_scale)
         if smoothing is None:
             return None
         if world_size < 2:

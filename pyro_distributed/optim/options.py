@@ -4,6 +4,15 @@
 take the same keyword arguments with the same meaning; this module checks
 them and builds the :class:`~pyro_distributed.exchange.sync.GradientSync`
 they share, so that the two cannot drift apart.
+
+Binding: an optimizer is often built before the processes that will train it
+have met (scvi-tools builds its Pyro optimizer before Lightning creates the
+process group). So an optimizer does not choose its engine when it is built
+but at its first step (:class:`EngineBinding`): by then the launcher's or the
+host framework's process group exists and ``engine="auto"`` adopts it. An
+optimizer already bound to one worker re-checks at every step that no larger
+group has appeared since, and refuses to go on if one has: averaging over one
+worker while others exist would train W independent replicas, silently.
 """
 
 from __future__ import annotations
@@ -12,12 +21,13 @@ from typing import Any
 
 from .. import runtime
 from ..checks import check_bool, check_choice, check_int, check_number
-from ..engines import Engine
+from ..engines import ENGINE_NAMES, Engine
+from ..errors import PyroDistributedError
 from ..exchange.averager import Reduction
 from ..exchange.sync import GradientSync
 from .noise_scale import NoiseScaleEstimator
 
-__all__ = ["check_options", "make_sync", "start_engine"]
+__all__ = ["EngineBinding", "check_options", "make_sync"]
 
 
 def check_options(bucket_cap_mb: Any, nonfinite: Any, check_every: Any, overlap: Any) -> None:
@@ -28,11 +38,60 @@ def check_options(bucket_cap_mb: Any, nonfinite: Any, check_every: Any, overlap:
     check_bool("overlap", overlap)
 
 
-def start_engine(engine: str | Engine) -> Engine:
-    """The engine ``engine`` names, started if needed, or ``engine`` itself."""
-    if not isinstance(engine, (str, Engine)):
-        raise TypeError(f"engine must be a name or an Engine, got {type(engine).__name__}")
-    return runtime.init(engine) if isinstance(engine, str) else engine
+class EngineBinding:
+    """The engine an optimizer runs on, chosen when it is first needed.
+
+    A running :class:`~pyro_distributed.engines.Engine`, or ``"local"``, is
+    bound at once: it says how many workers there are. Any other name
+    (``"auto"``, ``"torch"``, ``"horovod"``) is started with
+    :func:`pyro_distributed.init` at the first call to :meth:`engine`, which
+    the front ends make at their first step.
+    """
+
+    def __init__(self, engine: str | Engine) -> None:
+        if isinstance(engine, str):
+            if engine != "auto" and engine not in ENGINE_NAMES:
+                raise ValueError(
+                    f"unknown engine {engine!r}; choose 'auto' or one of {', '.join(ENGINE_NAMES)}"
+                )
+        elif not isinstance(engine, Engine):
+            raise TypeError(f"engine must be a name or an Engine, got {type(engine).__name__}")
+        self._wanted = engine
+        self._engine: Engine | None = None
+        if isinstance(engine, Engine):
+            self._engine = engine
+        elif engine == "local":
+            self._engine = runtime.init("local")
+
+    @property
+    def bound(self) -> bool:
+        """Whether the engine was chosen already."""
+        return self._engine is not None
+
+    def describe(self) -> str:
+        """The engine for a ``repr``, without choosing one."""
+        return repr(self._engine) if self._engine is not None else f"{self._wanted!r} (unbound)"
+
+    def engine(self) -> Engine:
+        """The engine, started now if it was not yet chosen.
+
+        :raises PyroDistributedError: if it is bound to one worker and a
+            process group of more workers has appeared since.
+        """
+        if self._engine is None:
+            assert isinstance(self._wanted, str)
+            self._engine = runtime.init(self._wanted)
+        elif self._engine.world_size == 1:
+            larger = self._engine.outgrown()
+            if larger is not None:
+                raise PyroDistributedError(
+                    f"this optimizer was bound to one worker (the {self._engine.name!r} "
+                    f"engine), but {larger} has appeared since; averaging over one worker "
+                    f"would leave every worker training its own replica. Build the "
+                    f"optimizer with engine='auto' and do not step it (nor call "
+                    f"pd.init('local')) before the process group exists."
+                )
+        return self._engine
 
 
 def make_sync(

@@ -82,6 +82,13 @@ class GradStamps:
             if id(param) not in self._hooks:
                 self._hooks[id(param)] = param.register_post_accumulate_grad_hook(self._stamp)  # type: ignore[no-untyped-call]
 
+    def unwatch(self) -> None:
+        """Remove every hook (one worker has no average to clip)."""
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        self._stamps.clear()
+
     def _stamp(self, param: Tensor) -> None:
         if param.grad is not None:
             self._stamps[id(param)] = (param.grad, grad_version(param.grad))

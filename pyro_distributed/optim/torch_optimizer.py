@@ -38,12 +38,12 @@ from torch import Tensor
 from ..engines import Engine
 from ..exchange.averager import Reduction
 from ..exchange.compression import Compression, compressor
-from ..exchange.sync import Exchanged
+from ..exchange.sync import Exchanged, GradientSync
 from ..internals import init_optimizer_hooks
 from ..local.gradients import LocalGradients, split_local
 from .consistency import assert_in_sync
 from .noise_scale import NoiseScale, NoiseScaleEstimator
-from .options import check_options, make_sync, start_engine
+from .options import EngineBinding, check_options, make_sync
 from .step_guards import GradStamps, check_state_fits, refuse_nonfinite
 
 __all__ = ["DistributedTorchOptimizer"]
@@ -114,23 +114,57 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
         check_options(bucket_cap_mb, nonfinite, check_every, overlap)
         reduction = Reduction(compression=compressor(compression))
         self.wrapped = optimizer
-        self.engine = start_engine(engine)
         self.nonfinite = nonfinite
         self.check_every = check_every
         #: How many times ``step()`` was called (saved in checkpoints).
         self.num_steps = 0
-        self._noise = NoiseScaleEstimator.create(noise_scale, self.engine.world_size)
-        #: The gradient exchange; ``None`` with one worker.
-        self.sync = make_sync(
-            self.engine, bucket_cap_mb, reduction, overlap, self._noise, "optimizer"
-        )
-        self._local = LocalGradients(self.engine)
+        self._bucket_cap_mb, self._reduction, self._overlap = bucket_cap_mb, reduction, overlap
+        NoiseScaleEstimator.smoothing_of(noise_scale)  # a wrong value fails here, not at step 1
+        self._noise_option = noise_scale
+        self._noise: NoiseScaleEstimator | None = None
+        self._sync: GradientSync | None = None
+        self._local: LocalGradients | None = None
         self._synchronized: _Synchronized | None = None
         self._stamps = GradStamps()
-        if self.sync is not None:  # one worker has no average to clip
-            self._stamps.watch([param for _, param in self.named_parameters()])
         self._warned_changed = False
+        self._binding = EngineBinding(engine)
+        if self._binding.bound:
+            self._bind()
+        else:  # watch from the start, as a run of several workers will (see _bind)
+            self._stamps.watch([param for _, param in self.named_parameters()])
         init_optimizer_hooks(self)
+
+    # -- the engine, chosen at the first step
+
+    @property
+    def engine(self) -> Engine:
+        """The engine this optimizer averages on, chosen at its first step
+        (:class:`~pyro_distributed.optim.options.EngineBinding`)."""
+        engine = self._binding.engine()
+        if self._local is None:
+            self._bind()
+        return engine
+
+    @property
+    def sync(self) -> GradientSync | None:
+        """The gradient exchange; ``None`` with one worker."""
+        self.engine  # noqa: B018 (binds the engine)
+        return self._sync
+
+    def _bind(self) -> None:
+        engine = self._binding.engine()
+        self._noise = NoiseScaleEstimator.create(self._noise_option, engine.world_size)
+        self._sync = make_sync(
+            engine, self._bucket_cap_mb, self._reduction, self._overlap, self._noise, "optimizer"
+        )
+        self._local = LocalGradients(engine)
+        # One worker has no average to clip. The hooks go on before local
+        # rows are cut (construction, not the first step): a hook added to a
+        # parameter after its rows were cut in place breaks its next backward.
+        if self._sync is not None:
+            self._stamps.watch([param for _, param in self.named_parameters()])
+        else:
+            self._stamps.unwatch()
 
     # -- what torch.optim.Optimizer users read and write, shared with the wrapped one
 
@@ -174,7 +208,7 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
         raise TypeError("a DistributedTorchOptimizer is not picklable; save its state_dict()")
 
     def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.wrapped!r}, engine={self.engine!r})"
+        return f"DistributedOptimizer({self.wrapped!r}, engine={self._binding.describe()})"
 
     # -- the step
 
@@ -213,7 +247,8 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.num_steps += 1
-        if self.sync is None:
+        sync = self.sync
+        if sync is None:
             self.wrapped.step()
             return loss
         synchronized = self._synchronized
@@ -224,7 +259,7 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
         exchanged, finite = synchronized
         if finite:
             if self._noise is not None and exchanged.tensors:
-                self._noise.observe(*self.sync.squared_norms())
+                self._noise.observe(*sync.squared_norms())
             self.wrapped.step()
         else:
             refuse_nonfinite(self.named_parameters(), self.num_steps, self.nonfinite)
@@ -237,13 +272,14 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
     def _exchange(self) -> _Synchronized:
         """Average the replicated gradients; scale the local ones (which never
         travel); return the exchange and whether every gradient is finite."""
-        assert self.sync is not None
+        sync, local_gradients = self._sync, self._local
+        assert sync is not None and local_gradients is not None  # bound by the caller
         replicated, local = split_local(dict(self.named_parameters()))
-        exchanged = self.sync.exchange(replicated, lambda: replicated)
+        exchanged = sync.exchange(replicated, lambda: replicated)
         finite = exchanged.finite
         if local:
             check_state_fits(self.wrapped, local)
-            finite = self._local.prepare(local) and finite
+            finite = local_gradients.prepare(local) and finite
         return exchanged, finite
 
     def _warn_if_changed_since_backward(self) -> None:
@@ -263,6 +299,7 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
 
     def noise_scale(self, batch_size: int | None = None) -> NoiseScale:
         """The gradient noise scale so far (needs ``noise_scale=True``); no communication."""
+        self.engine  # noqa: B018 (binds the engine)
         if self._noise is None:
             raise ValueError("noise_scale() needs DistributedOptimizer(..., noise_scale=True)")
         return self._noise.estimate(batch_size)

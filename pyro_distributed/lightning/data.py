@@ -1,0 +1,81 @@
+"""Batches that carry their rows' global indices, and the samplers the strategy gives loaders.
+
+A model whose data plate spans the whole data set needs each batch's place
+in it: ``pyro.plate("data", N, subsample=indices)``. :class:`IndexedDataset`
+puts the index in front of every item, so that a batch arrives as
+``(indices, *tensors)``.
+
+The training loader gets :class:`~pyro_distributed.ShardSampler` (every row
+on one worker each epoch, or, with ``by_block=True``, the rows whose local
+parameters this worker owns). Evaluation and prediction loaders get
+:class:`EvaluationSampler`: contiguous blocks, each row exactly once, nothing
+padded, in order, so that worker 0 can put predictions back in the data's
+order. A loader whose sampler is already distributed is left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+
+from ..data.shards import ShardSampler
+from ..partition import block_range
+
+__all__ = ["EvaluationSampler", "IndexedDataset", "is_plain_sampler"]
+
+
+class IndexedDataset(Dataset[tuple[Any, ...]]):
+    """``dataset`` with each item's index in front: ``(index, *item)``.
+
+    Example::
+
+        loader = DataLoader(IndexedDataset(TensorDataset(x, y)), batch_size=64)
+        for indices, x, y in loader:
+            with pyro.plate("data", len(dataset), subsample=indices): ...
+    """
+
+    def __init__(self, dataset: Dataset[Any]) -> None:
+        if not isinstance(dataset, Sized):
+            raise TypeError(
+                f"IndexedDataset needs a map-style data set with a length, "
+                f"got {type(dataset).__name__}"
+            )
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: Any) -> tuple[Any, ...]:
+        """``(index, *item)``; a slice or a tensor of indices gives their indices."""
+        item = self.dataset[index]
+        rest = tuple(item) if isinstance(item, (tuple, list)) else (item,)
+        return (torch.arange(len(self))[index], *rest)
+
+
+class EvaluationSampler(Sampler[int]):
+    """This worker's contiguous block of a data set, in order: each row once, on
+    one worker. Blocks may differ by one row (nothing is padded or repeated)."""
+
+    def __init__(self, dataset: Sized) -> None:
+        self._length = len(dataset)
+
+    def _rows(self) -> range:
+        return block_range(self._length)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._rows())
+
+    def __len__(self) -> int:
+        return len(self._rows())
+
+
+def is_plain_sampler(sampler: object) -> bool:
+    """Whether ``sampler`` is one the strategy replaces: a plain random or
+    sequential one. Distributed ones (``DistributedSampler``,
+    :class:`~pyro_distributed.ShardSampler`, ours) and custom ones are left alone."""
+    if isinstance(sampler, (DistributedSampler, ShardSampler, EvaluationSampler)):
+        return False
+    return type(sampler) in (RandomSampler, SequentialSampler)

@@ -1,0 +1,457 @@
+"""PyroDistributedStrategy: Lightning's DDP launch, this library's gradient exchange.
+
+It subclasses Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`
+and keeps everything that starts the workers: the launcher (``devices=N``
+on CPU with gloo or on GPUs with NCCL, ``num_nodes``, or an outside launcher
+such as ``torchrun``), the cluster environments and the process group. What
+it changes is what DDP does with gradients and data:
+
+* The module is not wrapped in ``DistributedDataParallel``. Every optimizer
+  that ``configure_optimizers`` returns is wrapped in
+  :class:`~pyro_distributed.DistributedOptimizer` instead, so the
+  gradients are averaged at ``optimizer.step()`` by the same exchange that
+  ``pyro.infer.SVI`` uses. Under manual optimization, a
+  ``pd.DistributedOptimizer(PyroOptim)`` inside ``SVI.step`` (the pattern of
+  scvi-tools' ``PyroTrainingPlan``) binds to the same engine at its first step.
+* Training steps run inside :func:`~pyro_distributed.shard_subsamples`, with
+  local parameters owned by their worker when ``own_local_params=True``.
+* Loaders get this library's samplers (:mod:`pyro_distributed.lightning.data`).
+* ``self.log(..., sync_dist=True)``, ``reduce``, ``broadcast``, ``all_gather``
+  and ``barrier`` run on the engine, and so does ``EarlyStopping``'s decision.
+* ``trainer.predict`` returns every worker's predictions, in the data's
+  order, on worker 0.
+* Checkpoints carry every worker's RNG states, so that ``trainer.fit(...,
+  ckpt_path=...)`` at the same world size continues bitwise.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
+from datetime import timedelta
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from torch.utils.data import DataLoader
+
+from .. import runtime
+from ..checkpoint import files
+from ..checks import check_bool
+from ..data.shards import ShardSampler
+from ..data.subsample import shard_subsamples
+from ..engines import ENGINE_NAMES, Engine
+from ..errors import PyroDistributedError
+from ..local.gradients import split_local
+from ..local.registry import local_params
+from ..optim.torch_optimizer import DistributedTorchOptimizer
+from ..seeding import shared_generator
+from . import internals
+from .data import EvaluationSampler, is_plain_sampler
+
+__all__ = ["PyroDistributedStrategy"]
+
+_CHECKPOINT_KEY = "pyro_distributed"
+_REDUCE_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
+
+
+class PyroDistributedStrategy(DDPStrategy):
+    """Train a LightningModule data-parallel with this library's optimizers.
+
+    :param engine: ``"auto"`` (default: the process group that Lightning or
+        the outside launcher made), ``"torch"``, or ``"horovod"`` (under
+        ``horovodrun``, which starts every worker itself).
+    :param own_local_params: keep each per-data-point parameter's rows only
+        on the worker that owns them (README, "Local parameters owned by
+        their worker"); the training loader then gives each worker its block.
+    :param shuffle: whether the training loader's order changes each epoch.
+    :param seed: the seed of the shared order.
+    :param optimizer_options: keyword arguments for every
+        :class:`~pyro_distributed.DistributedOptimizer` the strategy makes
+        (``bucket_cap_mb``, ``compression``, ``overlap``, ...).
+
+    The other arguments are :class:`~lightning.pytorch.strategies.DDPStrategy`'s.
+
+    Example::
+
+        import lightning.pytorch as pl
+        from pyro_distributed.lightning import PyroDistributedStrategy
+
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=PyroDistributedStrategy())
+        trainer.fit(module, loader)
+
+    .. warning::
+        Every worker must take the same number of optimizer steps: each is
+        a collective. The training loader's sampler gives every worker the
+        same number of batches; a loader with a sampler of your own (left
+        alone) must do the same.
+
+    .. warning::
+        Every worker must build the same optimizers, over the same
+        parameters in the same order. The first step gives every parameter
+        worker 0's value; the module's parameters and buffers are also set
+        to worker 0's when training starts.
+
+    .. warning::
+        Gradients are averaged in ``optimizer.step()``. ``gradient_clip_val``
+        and any change to ``.grad`` before it act on this worker's own
+        gradient; clip in ``configure_gradient_clipping`` after calling
+        ``optimizer.synchronize()`` to clip the average.
+
+    .. warning::
+        With ``own_local_params=True``, the model's plate over the data must
+        take its subsample from the batch: ``pyro.plate(name, N,
+        subsample=indices)``, with ``indices`` from
+        :class:`~pyro_distributed.lightning.IndexedDataset`. Create a lazily
+        built guide's parameters after the workers have met, in the
+        LightningModule's ``setup()`` and inside
+        ``pd.shard_subsamples(own_local_params=True, by_block=True)``, on
+        indices from this worker's block: a parameter that a forward pass
+        used with all its rows cannot be cut afterwards.
+    """
+
+    strategy_name = "pyro_distributed"
+
+    def __init__(
+        self,
+        *,
+        engine: str = "auto",
+        own_local_params: bool = False,
+        shuffle: bool = True,
+        seed: int = 0,
+        optimizer_options: Mapping[str, Any] | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        if engine not in ("auto", *ENGINE_NAMES) or engine == "local":
+            raise ValueError(
+                f"PyroDistributedStrategy(engine={engine!r}): choose 'auto', 'torch' or 'horovod'"
+            )
+        check_bool("own_local_params", own_local_params)
+        check_bool("shuffle", shuffle)
+        options = dict(optimizer_options or {})
+        if "engine" in options:
+            raise TypeError("optimizer_options cannot hold 'engine'; pass engine= to the strategy")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._engine_name = engine
+        self._engine: Engine | None = None
+        self.own_local_params = own_local_params
+        self.shuffle, self.seed = shuffle, seed
+        self._optimizer_options = options
+
+    # -- the workers and the engine
+
+    @property
+    def engine(self) -> Engine:
+        """The engine every collective of this strategy runs on (after set-up)."""
+        if self._engine is None:
+            raise PyroDistributedError(
+                "PyroDistributedStrategy has no engine yet: it starts one when the "
+                "Trainer sets up its processes (trainer.fit, validate, test or predict)"
+            )
+        return self._engine
+
+    def _configure_launcher(self) -> None:
+        if self._engine_name == "horovod":
+            self._launcher = None  # horovodrun started every worker itself
+        else:
+            super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        """The device, then the workers: DDP's process group and the engine on it,
+        or, with ``engine="horovod"``, Horovod's workers and no torch process group."""
+        if self._engine_name != "horovod":
+            super().setup_environment()  # calls setup_distributed()
+            return
+        super(DDPStrategy, self).setup_environment()  # the device alone
+        self._engine = runtime.init("horovod")
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_world_size(self._engine.world_size)
+        self.cluster_environment.set_global_rank(self._engine.rank)
+        internals.set_rank_zero(self._engine.rank)
+        self._check_world_size()
+
+    def setup_distributed(self) -> None:
+        """Lightning's process group (made by DDP's set-up), then the engine on it."""
+        super().setup_distributed()
+        self._engine = runtime.init(self._engine_name)
+        self._check_world_size()
+        atexit.register(_leave_together, self._engine)
+
+    def _check_world_size(self) -> None:
+        assert self._engine is not None
+        if self._engine.world_size != self.world_size:
+            raise PyroDistributedError(
+                f"PyroDistributedStrategy: Lightning counts {self.world_size} worker(s) "
+                f"(devices x num_nodes) but the {self._engine.name!r} engine has "
+                f"{self._engine.world_size}; give the Trainer devices= and num_nodes= "
+                f"that match the launcher"
+            )
+
+    # -- the module and the optimizers: no DDP wrapper
+
+    def setup(self, trainer: Any) -> None:
+        """DDP's set-up without the ``DistributedDataParallel`` wrapper."""
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._broadcast_module(self.model)
+        internals.disable_sampler_injection(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            internals.optimizers_to_device(self.optimizers, self.root_device)
+
+    def configure_ddp(self) -> None:
+        """Nothing to wrap: gradients are averaged by the optimizers."""
+
+    def _broadcast_module(self, module: torch.nn.Module) -> None:
+        """Worker 0's parameters and buffers on every worker (those that exist
+        yet; a lazily built guide's are broadcast at their first step). Local
+        parameters keep each worker's own rows."""
+        named = module.state_dict(keep_vars=True)
+        replicated, _ = split_local({n: t for n, t in named.items() if isinstance(t, Tensor)})
+        tensors = [tensor.detach() for tensor in replicated.values()]
+        if tensors and self.engine.world_size > 1:
+            with torch.no_grad():
+                self.engine.broadcast_(tensors, src=0)
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        """``configure_optimizers``' optimizers, each wrapped to average gradients."""
+        super().setup_optimizers(trainer)
+        self.optimizers = [self._distributed(optimizer) for optimizer in self.optimizers]
+
+    def _distributed(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if isinstance(optimizer, DistributedTorchOptimizer):
+            wrapped = optimizer
+        else:
+            wrapped = DistributedTorchOptimizer(
+                optimizer, engine=self.engine, **self._optimizer_options
+            )
+        wrapped.engine  # noqa: B018 (bind now, before Lightning wraps it in a LightningOptimizer)
+        return wrapped
+
+    # -- steps: subsampling sharded, local parameters owned
+
+    @contextmanager
+    def _sharded(self) -> Iterator[None]:
+        with shard_subsamples(
+            by_block=self.own_local_params, own_local_params=self.own_local_params
+        ):
+            yield
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._sharded():
+            return super().training_step(*args, **kwargs)
+
+    # -- data: this library's samplers
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training loader with :class:`~pyro_distributed.ShardSampler`,
+        evaluation and prediction loaders with
+        :class:`~pyro_distributed.lightning.data.EvaluationSampler`; loaders
+        whose sampler is already distributed (or custom) are left alone."""
+        if not isinstance(dataloader, DataLoader) or self.engine.world_size == 1:
+            return dataloader
+        if not is_plain_sampler(dataloader.sampler):
+            return dataloader
+        stage = self.lightning_module.trainer.state.stage if self.lightning_module else None
+        dataset = dataloader.dataset
+        if stage == RunningStage.TRAINING:
+            sampler: Any = ShardSampler(
+                dataset,  # type: ignore[arg-type]
+                shuffle=self.shuffle,
+                seed=self.seed,
+                by_block=self.own_local_params,
+            )
+        else:
+            sampler = EvaluationSampler(dataset)  # type: ignore[arg-type]
+        return internals.with_sampler(dataloader, sampler, stage)
+
+    # -- collectives on the engine
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """``tensor`` reduced across workers (``"mean"``, ``"sum"``, ``"max"``,
+        ``"min"``); anything but a tensor is returned as it is."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is not None:
+            raise ValueError("PyroDistributedStrategy.reduce works on all workers; pass group=None")
+        op = _reduce_op(reduce_op)
+        with torch.inference_mode(False):  # Lightning evaluates in inference mode
+            return self._reduced(tensor, op)
+
+    def _reduced(self, tensor: Tensor, op: str) -> Tensor:
+        result = tensor.detach().clone()
+        if op == "mean" and not result.is_floating_point():
+            result = result.double()
+        if op == "min":
+            result.neg_()
+            self.engine.allreduce_([result], op="max")
+            return result.neg_()
+        self.engine.allreduce_([result], op=op)  # type: ignore[arg-type]
+        return result
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Worker ``src``'s ``obj`` (picklable) on every worker."""
+        if self._engine is None or self._engine.world_size == 1:
+            return obj
+        with torch.inference_mode(False):
+            return self._engine.allgather_object(obj)[src]
+
+    def all_gather(
+        self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> Tensor:
+        """Every worker's ``tensor``, stacked along a new first dimension."""
+        if group is not None or sync_grads:
+            raise ValueError(
+                "PyroDistributedStrategy.all_gather gathers values from all workers; "
+                "group= and sync_grads=True are not supported"
+            )
+        with torch.inference_mode(False):
+            pieces = self.engine.allgather_object(tensor.detach().cpu())
+            return torch.stack(pieces).to(tensor.device)
+
+    def barrier(self, name: str | None = None) -> None:
+        if self._engine is not None:
+            self._engine.barrier()
+
+    # -- prediction: gathered in order on worker 0
+
+    def on_predict_end(self) -> None:
+        """Put every worker's predictions, in the data's order, on worker 0.
+
+        Each worker predicted its own contiguous block, so the blocks in rank
+        order are the data in its order. Other workers keep an empty list.
+        """
+        super().on_predict_end()
+        trainer = self.lightning_module.trainer if self.lightning_module else None
+        if trainer is None or self.engine.world_size == 1:
+            return
+        loop = trainer.predict_loop
+        predictions = loop.predictions  # the very list that trainer.predict returns
+        with torch.inference_mode(False):  # trainer.predict runs in inference mode
+            pieces = self.engine.allgather_object(predictions)
+        if self.engine.rank != 0:
+            predictions.clear()
+        elif loop.num_dataloaders == 1:
+            predictions[:] = [p for piece in pieces for p in piece]
+        else:
+            predictions[:] = [
+                [p for piece in pieces for p in piece[loader]] for loader in range(len(predictions))
+            ]
+
+    # -- checkpoints: every worker's RNG state travels with Lightning's
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Lightning's checkpoint, plus every worker's RNG states (a collective:
+        Lightning calls it on every worker; worker 0 writes the file).
+
+        :raises PyroDistributedError: on every worker, if some parameters are
+            local: worker 0's file would hold only its own block of them.
+        """
+        local = sorted(local_params())
+        if local and self.engine.world_size > 1:
+            raise PyroDistributedError(
+                f"PyroDistributedStrategy cannot yet write a Lightning checkpoint of local "
+                f"parameters ({', '.join(local[:3])}{' ...' if len(local) > 3 else ''}): each "
+                f"worker holds only its block. Save with pd.save_checkpoint(path, optimizer, "
+                f"module=...) from a callback instead"
+            )
+        checkpoint[_CHECKPOINT_KEY] = {
+            "world_size": self.engine.world_size,
+            "rng": [_loadable(state) for state in files.gather_rng(self.engine)],
+            "shared_rng": shared_generator().get_state(),
+        }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """The module's state, then this worker's RNG states when the checkpoint
+        has them for this world size (so that a resumed run continues bitwise)."""
+        super().load_model_state_dict(checkpoint, strict=strict)
+        state = checkpoint.get(_CHECKPOINT_KEY)
+        if state is not None:
+            rng = [_restorable(worker) for worker in state["rng"]]
+            files.restore_rng({**state, "rng": rng}, self.engine)
+
+    # -- registration
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="data-parallel training with pyro_distributed's optimizers, no DDP wrapper",
+        )
+
+
+def _leave_together(engine: Engine) -> None:
+    """At exit, meet once more and tear Lightning's process group down.
+
+    Lightning leaves its group to the interpreter's exit. A gloo group torn
+    down while a peer's is still open can abort the slower process
+    ("terminate called without an active exception"), so every worker waits
+    for the others (bounded by the engine's time-out) before destroying it.
+    """
+    if not torch.distributed.is_initialized():
+        return
+    if not hasattr(sys, "last_value"):  # after an uncaught exception, leave at once
+        with suppress(PyroDistributedError):
+            engine.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _loadable(worker_state: Any) -> Any:
+    """A worker's RNG states in types that ``torch.load(weights_only=True)``
+    (Lightning's default) accepts: NumPy's key array as a list of ints."""
+    rng, blocks = worker_state
+    kind, keys, *rest = rng["numpy"]
+    return {**rng, "numpy": (kind, keys.tolist(), *rest)}, blocks
+
+
+def _restorable(worker_state: Any) -> Any:
+    rng, blocks = worker_state
+    kind, keys, *rest = rng["numpy"]
+    return {**rng, "numpy": (kind, np.asarray(keys, dtype=np.uint32), *rest)}, blocks
+
+
+def _reduce_op(reduce_op: Any) -> str:
+    name = "mean" if reduce_op is None else str(getattr(reduce_op, "name", reduce_op)).lower()
+    name = name.removeprefix("reduceop.")
+    if name not in _REDUCE_OPS:
+        raise ValueError(
+            f"PyroDistributedStrategy.reduce: reduce_op {reduce_op!r} is not one of "
+            f"{', '.join(sorted(_REDUCE_OPS))}"
+        )
+    return _REDUCE_OPS[name]
+
+
+if PyroDistributedStrategy.strategy_name not in StrategyRegistry:
+    PyroDistributedStrategy.register_strategies(StrategyRegistry)

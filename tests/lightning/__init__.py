@@ -1,0 +1,1 @@
+"""Lightning integration tests."""

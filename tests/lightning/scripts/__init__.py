@@ -1,0 +1,1 @@
+"""Scripts that the Lightning tests run as separate processes."""

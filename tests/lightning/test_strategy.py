@@ -1,0 +1,219 @@
+"""PyroDistributedStrategy with real processes: Lightning's own launcher, and torchrun.
+
+Each test runs ``scripts/fit_regression.py`` as a user would (Lightning's
+launcher starts the second process by re-running the script) and reads what
+every worker ended with. Lightning is a test dependency: if it is missing,
+these tests fail at import, they are not skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch  # noqa: F401 (a missing Lightning fails the run here)
+import pytest
+import torch
+
+from ..harness import free_port
+from .scripts.fit_regression import N_VAL, SIGMA, N, make_data
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "fit_regression.py"
+BIN = Path(sys.executable).parent
+
+
+def fit(
+    tmp_path: Path,
+    *options: str,
+    torchrun: bool = False,
+    horovodrun: bool = False,
+    timeout: float = 300,
+) -> list[Any]:
+    """Run the script on 2 workers; every worker's record, by rank."""
+    out = tmp_path / "out"
+    command = [sys.executable, str(SCRIPT), "--out", str(out), *options]
+    if horovodrun:
+        command = [
+            str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
+            *command, "--devices", "1", "--engine", "horovod",
+        ]  # fmt: skip
+    if torchrun:
+        command = [
+            str(BIN / "torchrun"), "--nproc-per-node=2", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", *command[1:],
+        ]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "MASTER_PORT": str(free_port()),  # Lightning's launcher takes its port from here
+    }
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
+    )
+    output = f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, f"exit {done.returncode}\n{output}"
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+
+
+def exact_posterior() -> tuple[torch.Tensor, torch.Tensor]:
+    """The posterior of w given all N rows (conjugate: prior N(0, 10^2), known sigma)."""
+    x, y = make_data(N, 0).tensors
+    precision = x.T @ x / SIGMA**2 + torch.eye(3) / 100.0
+    covariance = torch.linalg.inv(precision)
+    return covariance @ x.T @ y / SIGMA**2, covariance.diag().sqrt()
+
+
+def assert_in_sync(records: list[Any]) -> None:
+    first, second = (record["posterior"] for record in records)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+def assert_matches_all_the_data(record: Any) -> None:
+    """The posterior of all N rows, not of one worker's half (whose widths
+    would be sqrt(2) times too wide)."""
+    loc, scale = exact_posterior()
+    fitted = record["posterior"]
+    assert torch.allclose(fitted["loc"], loc, atol=0.05), (fitted["loc"], loc)
+    ratio = fitted["scale"] / scale
+    assert ((ratio > 0.75) & (ratio < 1.3)).all(), (fitted["scale"], scale)
+
+
+def assert_each_epoch_shares_the_rows(records: list[Any], epochs: int) -> None:
+    per_epoch = N // 2 // 100 * 100  # drop="uneven": equal shards of whole batches
+    for epoch in range(epochs):
+        shards = [set(r["seen"][epoch * per_epoch : (epoch + 1) * per_epoch]) for r in records]
+        assert not shards[0] & shards[1], f"epoch {epoch}: a row on both workers"
+        assert len(shards[0] | shards[1]) == 2 * per_epoch
+
+
+def test_automatic_optimization_on_lightnings_launcher(tmp_path: Path) -> None:
+    records = fit(tmp_path, "--plan", "auto", "--epochs", "4", "--lr", "0.05")
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["world_size"] == 2 and r["engine_world_size"] == 2 for r in records)
+    assert_in_sync(records)
+    assert_each_epoch_shares_the_rows(records, epochs=4)
+    assert [r["global_step"] for r in records] == [20, 20]
+    # Validation: each row once, on one worker; the logged sum is global.
+    first, second = (set(r["val_seen"]) for r in records)
+    assert not first & second and first | second == set(range(N_VAL))
+    assert all(r["metrics"]["val_rows"] == N_VAL for r in records)
+    assert records[0]["metrics"]["train_loss"] == records[1]["metrics"]["train_loss"]
+    # Collectives on the engine; predictions in the data's order on worker 0.
+    assert [r["reduce_sum"] for r in records] == [3.0, 3.0]
+    assert [r["reduce_min"] for r in records] == [1.0, 1.0]
+    assert [r["broadcast"] for r in records] == ["from 1", "from 1"]
+    assert records[0]["predictions"] == list(range(N_VAL))
+    assert records[1]["predictions"] == []
+
+
+def test_scvi_style_manual_plan_stays_in_sync_and_fits_all_the_data(tmp_path: Path) -> None:
+    records = fit(tmp_path, "--plan", "manual", "--epochs", "60")
+    assert [r["built_alone"] for r in records] == [1, 1]  # built before the process group
+    assert_in_sync(records)
+    assert_each_epoch_shares_the_rows(records, epochs=60)
+    assert_matches_all_the_data(records[0])
+
+
+def test_scvi_style_manual_plan_under_plain_ddp_stays_in_sync(tmp_path: Path) -> None:
+    # Plain DDP arms no reducer for SVI.step; our optimizer, built before
+    # Lightning made the process group, adopts it at its first step.
+    records = fit(tmp_path, "--plan", "manual", "--strategy", "ddp", "--epochs", "60")
+    assert [r["built_alone"] for r in records] == [1, 1]
+    assert [r["engine_world_size"] for r in records] == [2, 2]
+    assert_in_sync(records)
+    assert_matches_all_the_data(records[0])
+
+
+def test_the_strategy_under_torchrun(tmp_path: Path) -> None:
+    records = fit(tmp_path, "--plan", "auto", "--epochs", "2", torchrun=True)
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["engine_world_size"] == 2 for r in records)
+    assert_in_sync(records)
+    assert_each_epoch_shares_the_rows(records, epochs=2)
+    assert records[0]["predictions"] == list(range(N_VAL))
+
+
+def test_early_stopping_stops_every_worker_at_the_same_step(tmp_path: Path) -> None:
+    # Worker 1's signal gets worse at epoch 1 (patience 1: it stops there);
+    # worker 0's keeps improving. Both must stop together.
+    records = fit(tmp_path, "--plan", "auto", "--epochs", "8", "--early-stop")
+    assert [r["global_step"] for r in records] == [10, 10]  # 2 epochs of 5 steps, not 8
+    assert_in_sync(records)
+
+
+def test_a_run_resumed_from_model_checkpoint_continues_bitwise(tmp_path: Path) -> None:
+    # Validation every epoch in all three runs: its loader draws from the RNG.
+    plan = ["--plan", "auto", "--val-every", "1"]
+    straight = fit(tmp_path / "straight", *plan, "--epochs", "4")
+    checkpoints = tmp_path / "checkpoints"
+    fit(tmp_path / "first", *plan, "--epochs", "2", "--checkpoint-dir", str(checkpoints))
+    resumed = fit(
+        tmp_path / "resumed", *plan, "--epochs", "4", "--resume", str(checkpoints / "last.ckpt")
+    )
+    assert [r["global_step"] for r in resumed] == [20, 20]
+    for a, b in zip(straight, resumed, strict=True):
+        for name in a["posterior"]:
+            assert torch.equal(a["posterior"][name], b["posterior"][name]), name
+
+
+def test_a_checkpoint_resumes_at_another_world_size(tmp_path: Path) -> None:
+    # Written by 2 workers, resumed by 1: the module and optimizer state are
+    # whole; RNG states are per worker and restored only at the same W.
+    plan = ["--plan", "auto", "--val-every", "1"]
+    checkpoints = tmp_path / "checkpoints"
+    first = fit(tmp_path / "first", *plan, "--epochs", "2", "--checkpoint-dir", str(checkpoints))
+    out = tmp_path / "one"
+    command = [
+        sys.executable, str(SCRIPT), "--out", str(out), *plan, "--epochs", "3",
+        "--devices", "1", "--resume", str(checkpoints / "last.ckpt"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-6000:]
+    (one,) = [torch.load(out / "rank0.pt")]
+    # 2 x 5 steps restored, then one epoch of 10 steps alone (from scratch: 30).
+    assert one["world_size"] == 1 and one["global_step"] == 10 + 10
+    assert len(one["seen"]) == N  # the third epoch: every row, on the one worker
+    assert [r["global_step"] for r in first] == [10, 10]
+
+
+@pytest.mark.horovod
+def test_the_strategy_on_horovod_under_horovodrun(tmp_path: Path) -> None:
+    # Lightning 2 has no Horovod strategy; this is one: no torch process group,
+    # every collective (gradients, logging, prediction) on Horovod.
+    records = fit(tmp_path, "--plan", "auto", "--epochs", "2", horovodrun=True)
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["world_size"] == 2 and r["engine_world_size"] == 2 for r in records)
+    assert_in_sync(records)
+    assert_each_epoch_shares_the_rows(records, epochs=2)
+    assert all(r["metrics"]["val_rows"] == N_VAL for r in records)
+    assert [r["reduce_sum"] for r in records] == [3.0, 3.0]
+    assert records[0]["predictions"] == list(range(N_VAL))
+
+
+@pytest.mark.parametrize("engine", ["local", "mpi-ish"])
+def test_an_engine_the_strategy_cannot_use_is_refused(engine: str) -> None:
+    from pyro_distributed.lightning import PyroDistributedStrategy
+
+    with pytest.raises(ValueError, match="choose 'auto', 'torch' or 'horovod'"):
+        PyroDistributedStrategy(engine=engine)
+
+
+def test_the_core_package_never_imports_lightning() -> None:
+    code = "import sys, pyro_distributed; assert 'lightning' not in sys.modules, 'imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_strategy_is_registered_under_its_name() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from pyro_distributed.lightning import PyroDistributedStrategy
+
+    assert StrategyRegistry.get("pyro_distributed").__class__ is PyroDistributedStrategy
