@@ -6,7 +6,7 @@ import pytest
 
 import pyro_distributed as pd
 from pyro_distributed.exchange.averager import Reduction
-from pyro_distributed.optim.options import check_options, make_sync, start_engine
+from pyro_distributed.optim.options import EngineBinding, check_options, make_sync
 
 from ..harness import run_workers
 
@@ -29,13 +29,19 @@ def test_each_bad_option_gets_its_own_error(
         check_options(*options)
 
 
-def test_start_engine_takes_a_name_or_an_engine() -> None:
+def test_an_engine_or_local_binds_at_once_and_a_bad_one_is_refused() -> None:
     pd.init("local")
     try:
-        engine = start_engine("local")
-        assert start_engine(engine) is engine
+        engine = pd.current_engine()
+        given = EngineBinding(engine)
+        assert given.bound and given.engine() is engine
+        local = EngineBinding("local")
+        assert local.bound and local.engine() is engine
+        assert not EngineBinding("auto").bound  # chosen at the first step
         with pytest.raises(TypeError, match="engine must be a name or an Engine, got int"):
-            start_engine(3)  # type: ignore[arg-type]
+            EngineBinding(3)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="unknown engine 'gloo'"):
+            EngineBinding("gloo")
     finally:
         pd.shutdown()
 
