@@ -34,7 +34,7 @@ from ..local.gradients import LocalGradients, split_local
 from .consistency import assert_in_sync
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .noise_scale import NoiseScale, NoiseScaleEstimator
-from .options import EngineBinding, check_options, make_sync
+from .options import EngineBinding, bind_exchange, check_options
 from .schedulers import step_schedulers
 from .sparse_step import SparseStepper
 from .step_guards import refuse_nonfinite
@@ -241,12 +241,14 @@ class DistributedOptimizer(PyroOptim):
         return engine
 
     def _bind(self) -> None:
-        engine = self._binding.engine()
-        self._noise = NoiseScaleEstimator.create(self._noise_option, engine.world_size)
-        self._sync = make_sync(
-            engine, self._bucket_cap_mb, self._reduction, self._overlap, self._noise, "param store"
+        self._noise, self._sync, self._local = bind_exchange(
+            self._binding.engine(),
+            self._noise_option,
+            self._bucket_cap_mb,
+            self._reduction,
+            self._overlap,
+            "param store",
         )
-        self._local = LocalGradients(engine)
 
     @property
     def sync(self) -> GradientSync | None:

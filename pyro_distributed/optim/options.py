@@ -25,9 +25,10 @@ from ..engines import ENGINE_NAMES, Engine
 from ..errors import PyroDistributedError
 from ..exchange.averager import Reduction
 from ..exchange.sync import GradientSync
+from ..local.gradients import LocalGradients
 from .noise_scale import NoiseScaleEstimator
 
-__all__ = ["EngineBinding", "check_options", "make_sync"]
+__all__ = ["EngineBinding", "bind_exchange", "check_options", "make_sync"]
 
 
 def check_options(bucket_cap_mb: Any, nonfinite: Any, check_every: Any, overlap: Any) -> None:
@@ -114,3 +115,19 @@ def make_sync(
         measure_norms=noise is not None,
         catalog_name=catalog_name,
     )
+
+
+def bind_exchange(
+    engine: Engine,
+    noise_scale: bool | float,
+    bucket_cap_mb: float,
+    reduction: Reduction,
+    overlap: bool,
+    catalog_name: str,
+) -> tuple[NoiseScaleEstimator | None, GradientSync | None, LocalGradients]:
+    """What a front end builds once its engine is bound: the noise-scale
+    estimator, the gradient exchange (``None`` with one worker) and the
+    handling of local parameters' gradients."""
+    noise = NoiseScaleEstimator.create(noise_scale, engine.world_size)
+    sync = make_sync(engine, bucket_cap_mb, reduction, overlap, noise, catalog_name)
+    return noise, sync, LocalGradients(engine)

@@ -43,7 +43,7 @@ from ..internals import init_optimizer_hooks
 from ..local.gradients import LocalGradients, split_local
 from .consistency import assert_in_sync
 from .noise_scale import NoiseScale, NoiseScaleEstimator
-from .options import EngineBinding, check_options, make_sync
+from .options import EngineBinding, bind_exchange, check_options
 from .step_guards import GradStamps, check_state_fits, refuse_nonfinite
 
 __all__ = ["DistributedTorchOptimizer"]
@@ -152,12 +152,14 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
         return self._sync
 
     def _bind(self) -> None:
-        engine = self._binding.engine()
-        self._noise = NoiseScaleEstimator.create(self._noise_option, engine.world_size)
-        self._sync = make_sync(
-            engine, self._bucket_cap_mb, self._reduction, self._overlap, self._noise, "optimizer"
+        self._noise, self._sync, self._local = bind_exchange(
+            self._binding.engine(),
+            self._noise_option,
+            self._bucket_cap_mb,
+            self._reduction,
+            self._overlap,
+            "optimizer",
         )
-        self._local = LocalGradients(engine)
         # One worker has no average to clip. The hooks go on before local
         # rows are cut (construction, not the first step): a hook added to a
         # parameter after its rows were cut in place breaks its next backward.
