@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from ..data.shards import ShardSampler
@@ -52,7 +53,22 @@ class IndexedDataset(Dataset[tuple[Any, ...]]):
         """``(index, *item)``; a slice or a tensor of indices gives their indices."""
         item = self.dataset[index]
         rest = tuple(item) if isinstance(item, (tuple, list)) else (item,)
-        return (torch.arange(len(self))[index], *rest)
+        return (self._global_indices(index), *rest)
+
+    def _global_indices(self, index: Any) -> Tensor:
+        """The indices that ``index`` selects, in O(rows selected): the loader asks
+        for one row at a time, so nothing here may cost O(len(dataset))."""
+        size = len(self)
+        if isinstance(index, int):  # the loader's case; the data set checked the range
+            return torch.tensor(index + size if index < 0 else index)
+        if isinstance(index, slice):
+            return torch.arange(*index.indices(size))
+        selected = torch.as_tensor(index)
+        if selected.dtype == torch.bool:
+            return selected.nonzero().flatten()
+        if selected.numel() and not bool(((selected >= -size) & (selected < size)).all()):
+            raise IndexError(f"IndexedDataset: index {index!r} is out of range for {size} rows")
+        return torch.where(selected < 0, selected + size, selected)
 
 
 class EvaluationSampler(Sampler[int]):
