@@ -4,7 +4,12 @@ The same LightningModule, data and batch size under both strategies, 2 CPU
 workers started by Lightning's own launcher, interleaved repeats:
 
 * ``global``: Bayesian regression with D weights (AutoNormal, 2 D floats of
-  parameters), every parameter global.
+  parameters), every parameter global: a step of a few milliseconds, where
+  per-step overhead shows.
+* ``mlp``: a regression whose mean is a two-layer network (PyroModule
+  ``nn.Linear`` layers, 100 -> 1024 -> 1024 -> 1, about 1.15 million point
+  parameters) and a latent noise scale: the gradient is large enough for
+  DDP's bucketed overlap to matter.
 * ``local``: N data points with an 8-float latent each (AutoNormal over a
   plate of N, 16 N floats of parameters). DDP replicates and all-reduces all
   of them every step; the strategy with ``own_local_params=True`` keeps N/W
@@ -13,9 +18,11 @@ workers started by Lightning's own launcher, interleaved repeats:
     python benchmarks/bench_lightning.py                 # about 5 minutes here
     python benchmarks/bench_lightning.py --rows 100000 --repeats 1
 
-Prints the median step time (forward, backward and optimizer step, timed on
-worker 0 from ``on_train_batch_start`` to ``on_train_batch_end``) of each
-configuration and writes ``benchmarks/lightning_results.json``.
+Prints, for each configuration, the median step time (forward, backward and
+optimizer step, timed on worker 0 from ``on_train_batch_start`` to
+``on_train_batch_end``) and the median iteration time (from one
+``on_train_batch_end`` to the next: the step plus loading the batch), and
+writes ``benchmarks/lightning_results.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 BATCH, LATENT = 256, 8
+MLP_INPUTS, MLP_HIDDEN = 100, 1024
+WORKLOADS = ("global", "mlp", "local")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -58,17 +67,33 @@ def worker(args: argparse.Namespace) -> None:
     if local:
         dataset = IndexedDataset(TensorDataset(torch.randn(n, LATENT, generator=generator)))
     else:
-        x = torch.randn(n, args.features, generator=generator)
-        y = x @ torch.randn(args.features, generator=generator) + torch.randn(n)
+        features = MLP_INPUTS if args.workload == "mlp" else args.features
+        x = torch.randn(n, features, generator=generator)
+        y = x @ torch.randn(features, generator=generator) + torch.randn(n, generator=generator)
         dataset = IndexedDataset(TensorDataset(x, y))
 
     class Model(PyroModule):
+        def __init__(self) -> None:
+            super().__init__()
+            if args.workload == "mlp":
+                self.net = PyroModule[torch.nn.Sequential](
+                    torch.nn.Linear(MLP_INPUTS, MLP_HIDDEN),
+                    torch.nn.ReLU(),
+                    torch.nn.Linear(MLP_HIDDEN, MLP_HIDDEN),
+                    torch.nn.ReLU(),
+                    torch.nn.Linear(MLP_HIDDEN, 1),
+                )
+
         def forward(self, indices: Any, x: Any, y: Any = None) -> None:
             if local:
                 mu = pyro.sample("mu", dist.Normal(0.0, 5.0).expand([LATENT]).to_event(1))
                 with pyro.plate("data", n, subsample=indices):
                     z = pyro.sample("z", dist.Normal(mu, 1.0).to_event(1))
                     pyro.sample("x", dist.Normal(z, 0.5).to_event(1), obs=x)
+            elif args.workload == "mlp":
+                sigma = pyro.sample("sigma", dist.LogNormal(0.0, 1.0))
+                with pyro.plate("data", n, subsample=indices):
+                    pyro.sample("y", dist.Normal(self.net(x).squeeze(-1), sigma), obs=y)
             else:
                 w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
                 with pyro.plate("data", n, subsample=indices):
@@ -85,6 +110,8 @@ def worker(args: argparse.Namespace) -> None:
             super().__init__()
             self.loss_fn = loss_fn
             self.times: list[float] = []
+            self.iterations: list[float] = []
+            self._ended: float | None = None
 
         def setup(self, stage: str) -> None:  # create the parameters once the workers met
             first = next(iter(pd.ShardSampler(dataset, by_block=owned, shuffle=False)))
@@ -98,7 +125,11 @@ def worker(args: argparse.Namespace) -> None:
             self._started = time.perf_counter()
 
         def on_train_batch_end(self, *_: Any) -> None:
-            self.times.append(time.perf_counter() - self._started)
+            now = time.perf_counter()
+            self.times.append(now - self._started)
+            if self._ended is not None:
+                self.iterations.append(now - self._ended)
+            self._ended = now
 
         def configure_optimizers(self) -> Any:
             return torch.optim.Adam(self.loss_fn.parameters(), lr=0.01)
@@ -121,10 +152,12 @@ def worker(args: argparse.Namespace) -> None:
     # DDP gets Lightning's DistributedSampler; the strategy, its own ShardSampler.
     trainer.fit(module, DataLoader(dataset, batch_size=BATCH, shuffle=True))
     if trainer.is_global_zero:
-        Path(args.out).write_text(json.dumps(module.times[args.warmup :]))
+        timed = {"step": module.times[args.warmup :], "iteration": module.iterations[args.warmup :]}
+        Path(args.out).write_text(json.dumps(timed))
 
 
-def run_config(args: argparse.Namespace, workload: str, strategy: str) -> float:
+def run_config(args: argparse.Namespace, workload: str, strategy: str) -> dict[str, float]:
+    """The median step and iteration time of one run, in seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         command = [
@@ -136,16 +169,18 @@ def run_config(args: argparse.Namespace, workload: str, strategy: str) -> float:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
         if done.returncode != 0:
             raise RuntimeError(f"{workload}/{strategy} failed:\n{done.stderr[-4000:]}")
-        return statistics.median(json.loads(out.read_text()))
+        timed = json.loads(out.read_text())
+        return {kind: statistics.median(times) for kind, times in timed.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000, help="N of the local workload")
     parser.add_argument("--features", type=int, default=1000, help="D of the global workload")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="global", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="ours", help=argparse.SUPPRESS)
@@ -154,22 +189,32 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    results: dict[str, list[float]] = {}
+    runs: dict[str, list[dict[str, float]]] = {}
     for _ in range(args.repeats):  # interleaved: the machine's load hits both alike
-        for workload in ("global", "local"):
+        for workload in args.workloads:
             for strategy in ("ours", "ddp"):
                 key = f"{workload}/{strategy}"
-                results.setdefault(key, []).append(run_config(args, workload, strategy))
-                print(f"{key}: {results[key][-1] * 1e3:.1f} ms", flush=True)
-    medians = {key: statistics.median(times) for key, times in results.items()}
-    print(f"\nmedian step time, 2 CPU workers, {BATCH} rows per worker per step")
-    for workload, label in (("global", f"D = {args.features}"), ("local", f"N = {args.rows}")):
+                runs.setdefault(key, []).append(run_config(args, workload, strategy))
+                shown = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in runs[key][-1].items())
+                print(f"{key}: {shown}", flush=True)
+    medians = {
+        key: {kind: statistics.median(run[kind] for run in done) for kind in done[0]}
+        for key, done in runs.items()
+    }
+    labels = {
+        "global": f"D = {args.features}",
+        "mlp": "1.15 M weights",
+        "local": f"N = {args.rows}",
+    }
+    print(f"\nmedians of {args.repeats} runs, 2 CPU workers, {BATCH} rows per worker per step")
+    for workload in args.workloads:
         ours, ddp = medians[f"{workload}/ours"], medians[f"{workload}/ddp"]
-        print(
-            f"{workload} ({label}): ours {ours * 1e3:.1f} ms, DDPStrategy {ddp * 1e3:.1f} ms, "
-            f"ours / DDP = {ours / ddp:.2f}"
-        )
-    record = {"args": vars(args), "runs_s": results, "medians_s": medians}
+        for kind in ("step", "iteration"):
+            print(
+                f"{workload} ({labels[workload]}), {kind}: ours {ours[kind] * 1e3:.2f} ms, "
+                f"DDPStrategy {ddp[kind] * 1e3:.2f} ms, ours / DDP = {ours[kind] / ddp[kind]:.3f}"
+            )
+    record = {"args": vars(args), "runs_s": runs, "medians_s": medians}
     (HERE / "lightning_results.json").write_text(json.dumps(record, indent=1))
 
 
