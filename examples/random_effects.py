@@ -86,7 +86,14 @@ def main() -> None:
     parser.add_argument("--per-group", type=int, default=4)
     parser.add_argument("--batch", type=int, default=250, help="groups per worker per step")
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="of the data and of the run")
+    parser.add_argument("--run-seed", type=int, help="of the run alone (default: --seed)")
+    parser.add_argument(
+        "--beta1",
+        type=float,
+        default=0.9,
+        help="Adam's first-moment decay; lazy steps count it per visit of a row (see README)",
+    )
     parser.add_argument(
         "--local-updates",
         choices=["dense", "sparse"],
@@ -98,10 +105,13 @@ def main() -> None:
 
     torch.set_num_threads(1)
     pd.init()
-    pd.set_rng_seed(args.seed)
+    pd.set_rng_seed(args.seed if args.run_seed is None else args.run_seed)
     y, effects = make_data(args.groups, args.per_group, seed=args.seed)
     # A decaying step size lets each group's parameters settle at the end.
-    optim = pd.DistributedOptimizer(pyro.optim.ClippedAdam({"lr": 0.05, "lrd": 0.999}))
+    betas = (args.beta1, 0.999)
+    optim = pd.DistributedOptimizer(
+        pyro.optim.ClippedAdam({"lr": 0.05, "lrd": 0.999, "betas": betas})
+    )
     svi = SVI(model, guide, optim, Trace_ELBO())
     if pd.is_main():
         print(
