@@ -20,8 +20,11 @@ it changes is what DDP does with gradients and data:
   and ``barrier`` run on the engine, and so does ``EarlyStopping``'s decision.
 * ``trainer.predict`` returns every worker's predictions, in the data's
   order, on worker 0.
-* Checkpoints carry every worker's RNG states, so that ``trainer.fit(...,
-  ckpt_path=...)`` at the same world size continues bitwise.
+* Checkpoints are complete: every worker's RNG states, and local
+  parameters as one block file per worker beside Lightning's file, written all
+  or nothing (:mod:`pyro_distributed.lightning.checkpoints`).
+  ``trainer.fit(..., ckpt_path=...)`` at the same world size continues
+  bitwise; at another, the blocks are re-partitioned.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -43,22 +45,18 @@ from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 
 from .. import runtime
-from ..checkpoint import files
 from ..checks import check_bool
 from ..data.shards import ShardSampler
 from ..data.subsample import shard_subsamples
 from ..engines import ENGINE_NAMES, Engine
 from ..errors import PyroDistributedError
 from ..local.gradients import split_local
-from ..local.registry import local_params
 from ..optim.torch_optimizer import DistributedTorchOptimizer
-from ..seeding import shared_generator
-from . import internals
+from . import checkpoints, internals
 from .data import EvaluationSampler, is_plain_sampler
 
 __all__ = ["PyroDistributedStrategy"]
 
-_CHECKPOINT_KEY = "pyro_distributed"
 _REDUCE_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 
 
@@ -114,7 +112,17 @@ class PyroDistributedStrategy(DDPStrategy):
         LightningModule's ``setup()`` and inside
         ``pd.shard_subsamples(own_local_params=True, by_block=True)``, on
         indices from this worker's block: a parameter that a forward pass
-        used with all its rows cannot be cut afterwards.
+        used with all its rows cannot be cut afterwards. Lightning calls
+        ``setup()`` before it restores a checkpoint, so a resumed run's local
+        parameters are then cut to this worker's block, as a checkpoint's
+        blocks are restored only into parameters that are local already.
+
+    .. warning::
+        A checkpoint of local parameters is Lightning's file and, beside it in
+        a directory every worker sees, one ``<file>.<token>.block<r>of<W>``
+        per worker: copy them together, restore them through the Trainer
+        (``ckpt_path=``; ``load_from_checkpoint`` sees the global parameters
+        only), and trust them (block files are unpickled).
     """
 
     strategy_name = "pyro_distributed"
@@ -157,6 +165,7 @@ class PyroDistributedStrategy(DDPStrategy):
         )
         self._engine_name = engine
         self._engine: Engine | None = None
+        self._resumption: checkpoints.Resumption | None = None
         self.own_local_params = own_local_params
         self.shuffle, self.seed = shuffle, seed
         self._optimizer_options = options
@@ -366,40 +375,40 @@ class PyroDistributedStrategy(DDPStrategy):
                 [p for piece in pieces for p in piece[loader]] for loader in range(len(predictions))
             ]
 
-    # -- checkpoints: every worker's RNG state travels with Lightning's
+    # -- checkpoints, local blocks included: lightning/checkpoints.py
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Lightning's checkpoint, plus every worker's RNG states (a collective:
-        Lightning calls it on every worker; worker 0 writes the file).
+        """Lightning's checkpoint with every worker's RNG states and blocks of local
+        parameters, all or nothing (a collective; see :func:`checkpoints.save`)."""
+        assert self.lightning_module is not None
+        checkpoints.save(
+            checkpoint, filepath, engine=self.engine, module=self.lightning_module,
+            optimizers=self.optimizers, checkpoint_io=self.checkpoint_io,
+            storage_options=storage_options,
+        )  # fmt: skip
 
-        :raises PyroDistributedError: on every worker, if some parameters are
-            local: worker 0's file would hold only its own block of them.
-        """
-        local = sorted(local_params())
-        if local and self.engine.world_size > 1:
-            raise PyroDistributedError(
-                f"PyroDistributedStrategy cannot yet write a Lightning checkpoint of local "
-                f"parameters ({', '.join(local[:3])}{' ...' if len(local) > 3 else ''}): each "
-                f"worker holds only its block. Save with pd.save_checkpoint(path, optimizer, "
-                f"module=...) from a callback instead"
-            )
-        checkpoint[_CHECKPOINT_KEY] = {
-            "world_size": self.engine.world_size,
-            "rng": [_loadable(state) for state in files.gather_rng(self.engine)],
-            "shared_rng": shared_generator().get_state(),
-        }
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            checkpoints.remove(filepath, self.checkpoint_io)  # the file, then its blocks
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        self._resumption = checkpoints.Resumption.of(checkpoint_path)  # where the blocks are
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """The module's state, then this worker's RNG states when the checkpoint
-        has them for this world size (so that a resumed run continues bitwise)."""
-        super().load_model_state_dict(checkpoint, strict=strict)
-        state = checkpoint.get(_CHECKPOINT_KEY)
-        if state is not None:
-            rng = [_restorable(worker) for worker in state["rng"]]
-            files.restore_rng({**state, "rng": rng}, self.engine)
+        """The module, this worker's rows of local parameters re-partitioned for
+        this world size, and its RNG states if the world size is the saved one."""
+        assert self.lightning_module is not None
+        state = checkpoints.module_state(checkpoint, self._resumption, self.lightning_module)
+        super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
+        checkpoints.restore_rng(checkpoint, self.engine)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoints.optimizer_states(checkpoint, self._resumption)
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
+        checkpoints.restore_counts(checkpoint, self.optimizers)
 
     # -- registration
 
@@ -426,20 +435,6 @@ def _leave_together(engine: Engine) -> None:
         with suppress(PyroDistributedError):
             engine.barrier()
     torch.distributed.destroy_process_group()
-
-
-def _loadable(worker_state: Any) -> Any:
-    """A worker's RNG states in types that ``torch.load(weights_only=True)``
-    (Lightning's default) accepts: NumPy's key array as a list of ints."""
-    rng, blocks = worker_state
-    kind, keys, *rest = rng["numpy"]
-    return {**rng, "numpy": (kind, keys.tolist(), *rest)}, blocks
-
-
-def _restorable(worker_state: Any) -> Any:
-    rng, blocks = worker_state
-    kind, keys, *rest = rng["numpy"]
-    return {**rng, "numpy": (kind, np.asarray(keys, dtype=np.uint32), *rest)}, blocks
 
 
 def _reduce_op(reduce_op: Any) -> str:

@@ -1,4 +1,4 @@
-"""PyroDistributedStrategy with real processes: Lightning's own launcher, and torchrun.
+"""PyroDistributedStrategy with real processes: Lightning's launcher and the outside ones.
 
 Each test runs ``scripts/fit_regression.py`` as a user would (Lightning's
 launcher starts the second process by re-running the script) and reads what
@@ -26,26 +26,34 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "fit_regression.py"
 BIN = Path(sys.executable).parent
 
 
-def fit(
+def launch(
     tmp_path: Path,
     *options: str,
+    workers: int = 2,
     torchrun: bool = False,
     horovodrun: bool = False,
+    mpiexec: bool = False,
     timeout: float = 300,
-) -> list[Any]:
-    """Run the script on 2 workers; every worker's record, by rank."""
+) -> tuple[int, str]:
+    """Run the script on ``workers`` workers; its exit code and the end of its output.
+
+    Lightning's own launcher by default (``--devices workers``), else the
+    outside launcher named, which starts every worker itself.
+    """
     out = tmp_path / "out"
-    command = [sys.executable, str(SCRIPT), "--out", str(out), *options]
+    command = [sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(workers), *options]
     if horovodrun:
         command = [
-            str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
+            str(BIN / "horovodrun"), "--gloo", "-np", str(workers), "-H", f"localhost:{workers}",
             *command, "--devices", "1", "--engine", "horovod",
         ]  # fmt: skip
     if torchrun:
         command = [
-            str(BIN / "torchrun"), "--nproc-per-node=2", "--master-addr=127.0.0.1",
+            str(BIN / "torchrun"), f"--nproc-per-node={workers}", "--master-addr=127.0.0.1",
             f"--master-port={free_port()}", *command[1:],
         ]  # fmt: skip
+    if mpiexec:
+        command = [str(BIN / "mpiexec"), "-n", str(workers), *command]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -55,9 +63,14 @@ def fit(
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
     )
-    output = f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    assert done.returncode == 0, f"exit {done.returncode}\n{output}"
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    return done.returncode, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
+def fit(tmp_path: Path, *options: str, workers: int = 2, **launcher: Any) -> list[Any]:
+    """Run the script (see :func:`launch`); every worker's record, by rank."""
+    code, output = launch(tmp_path, *options, workers=workers, **launcher)
+    assert code == 0, f"exit {code}\n{output}"
+    return [torch.load(tmp_path / "out" / f"rank{rank}.pt") for rank in range(workers)]
 
 
 def exact_posterior() -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,15 +181,8 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path: Path) -> None:
     plan = ["--plan", "auto", "--val-every", "1"]
     checkpoints = tmp_path / "checkpoints"
     first = fit(tmp_path / "first", *plan, "--epochs", "2", "--checkpoint-dir", str(checkpoints))
-    out = tmp_path / "one"
-    command = [
-        sys.executable, str(SCRIPT), "--out", str(out), *plan, "--epochs", "3",
-        "--devices", "1", "--resume", str(checkpoints / "last.ckpt"),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-6000:]
-    (one,) = [torch.load(out / "rank0.pt")]
+    resume = ["--epochs", "3", "--resume", str(checkpoints / "last.ckpt")]
+    (one,) = fit(tmp_path / "one", *plan, *resume, workers=1)
     # 2 x 5 steps restored, then one epoch of 10 steps alone (from scratch: 30).
     assert one["world_size"] == 1 and one["global_step"] == 10 + 10
     assert len(one["seen"]) == N  # the third epoch: every row, on the one worker
