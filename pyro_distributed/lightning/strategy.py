@@ -3,7 +3,9 @@
 It subclasses Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`
 and keeps everything that starts the workers: the launcher (``devices=N``
 on CPU with gloo or on GPUs with NCCL, ``num_nodes``, or an outside launcher
-such as ``torchrun``), the cluster environments and the process group. What
+such as ``torchrun`` or ``mpiexec``), the cluster environments and the process
+group; with ``engine="horovod"`` or ``engine="mpi"`` the outside launcher's
+workers meet on that transport instead, without a torch process group. What
 it changes is what DDP does with gradients and data:
 
 * The module is not wrapped in ``DistributedDataParallel``. Every optimizer
@@ -57,6 +59,9 @@ from .data import EvaluationSampler, is_plain_sampler
 
 __all__ = ["PyroDistributedStrategy"]
 
+# Engines whose launcher (horovodrun, mpiexec) starts every worker and that
+# need no torch process group.
+_OWN_WORKERS = ("horovod", "mpi")
 _REDUCE_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 
 
@@ -64,8 +69,12 @@ class PyroDistributedStrategy(DDPStrategy):
     """Train a LightningModule data-parallel with this library's optimizers.
 
     :param engine: ``"auto"`` (default: the process group that Lightning or
-        the outside launcher made), ``"torch"``, or ``"horovod"`` (under
-        ``horovodrun``, which starts every worker itself).
+        the outside launcher made, also under ``mpiexec``, where Lightning's
+        ``MPIEnvironment`` makes it), ``"torch"``, ``"horovod"`` (under
+        ``horovodrun``, ``devices=1`` per process) or ``"mpi"`` (under
+        ``mpiexec``/``mpirun``, ``devices`` x ``num_nodes`` = its ``-n``):
+        those two launchers start every worker, and every collective runs on
+        Horovod or MPI, with no torch process group.
     :param own_local_params: keep each per-data-point parameter's rows only
         on the worker that owns them (README, "Local parameters owned by
         their worker"); the training loader then gives each worker its block.
@@ -146,7 +155,8 @@ class PyroDistributedStrategy(DDPStrategy):
     ) -> None:
         if engine not in ("auto", *ENGINE_NAMES) or engine == "local":
             raise ValueError(
-                f"PyroDistributedStrategy(engine={engine!r}): choose 'auto', 'torch' or 'horovod'"
+                f"PyroDistributedStrategy(engine={engine!r}): choose 'auto', 'torch', "
+                f"'horovod' or 'mpi'"
             )
         check_bool("own_local_params", own_local_params)
         check_bool("shuffle", shuffle)
@@ -183,20 +193,25 @@ class PyroDistributedStrategy(DDPStrategy):
         return self._engine
 
     def _configure_launcher(self) -> None:
-        if self._engine_name == "horovod":
-            self._launcher = None  # horovodrun started every worker itself
+        if self._engine_name in _OWN_WORKERS:
+            self._launcher = None  # horovodrun or mpiexec started every worker itself
         else:
             super()._configure_launcher()
 
     def setup_environment(self) -> None:
         """The device, then the workers: DDP's process group and the engine on it,
-        or, with ``engine="horovod"``, Horovod's workers and no torch process group."""
-        if self._engine_name != "horovod":
+        or, with ``engine="horovod"`` or ``"mpi"``, the launcher's workers on
+        that engine and no torch process group."""
+        assert self.cluster_environment is not None
+        if self._engine_name not in _OWN_WORKERS:
+            if self.cluster_environment.creates_processes_externally:
+                self._check_devices(self.cluster_environment.world_size())
             super().setup_environment()  # calls setup_distributed()
             return
+        self._engine = runtime.init(self._engine_name)
+        if self._engine_name == "mpi":  # Horovod's convention is devices=1 per process
+            self._check_devices(self._engine.world_size)
         super(DDPStrategy, self).setup_environment()  # the device alone
-        self._engine = runtime.init("horovod")
-        assert self.cluster_environment is not None
         self.cluster_environment.set_world_size(self._engine.world_size)
         self.cluster_environment.set_global_rank(self._engine.rank)
         internals.set_rank_zero(self._engine.rank)
@@ -208,6 +223,15 @@ class PyroDistributedStrategy(DDPStrategy):
         self._engine = runtime.init(self._engine_name)
         self._check_world_size()
         atexit.register(_leave_together, self._engine)
+
+    def _check_devices(self, workers: int) -> None:
+        """Refuse Trainer arguments that count other workers than the outside launcher started."""
+        if self.num_nodes * self.num_processes != workers:
+            raise PyroDistributedError(
+                f"PyroDistributedStrategy: the launcher started {workers} worker(s) but the "
+                f"Trainer counts devices={self.num_processes} x num_nodes={self.num_nodes}; "
+                f"give it devices= (workers per machine) and num_nodes= that match"
+            )
 
     def _check_world_size(self) -> None:
         assert self._engine is not None

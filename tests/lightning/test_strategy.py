@@ -203,11 +203,57 @@ def test_the_strategy_on_horovod_under_horovodrun(tmp_path: Path) -> None:
     assert records[0]["predictions"] == list(range(N_VAL))
 
 
+def assert_a_full_run_on_two_workers(records: list[Any], engine: str) -> None:
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["world_size"] == 2 and r["engine_world_size"] == 2 for r in records)
+    assert [r["engine"] for r in records] == [engine, engine]
+    assert_in_sync(records)
+    assert_each_epoch_shares_the_rows(records, epochs=2)
+    assert all(r["metrics"]["val_rows"] == N_VAL for r in records)  # a global sum
+    assert [r["reduce_sum"] for r in records] == [3.0, 3.0]
+    assert records[0]["predictions"] == list(range(N_VAL))
+    assert records[1]["predictions"] == []
+
+
+@pytest.mark.mpi
+def test_the_strategy_on_mpi_under_mpiexec(tmp_path: Path) -> None:
+    # mpiexec starts both workers (devices=2: workers per machine, as under
+    # torchrun); every collective runs on MPI, with no torch process group,
+    # those of a checkpoint of local parameters (each worker's own rows) included.
+    directory = tmp_path / "checkpoints"
+    options = ["--plan", "local", "--epochs", "2", "--checkpoint-dir", str(directory)]
+    records = fit(tmp_path, *options, "--engine", "mpi", mpiexec=True)
+    assert_a_full_run_on_two_workers(records, "mpi")
+    local = torch.load(directory / "last.ckpt")["pyro_distributed"]["local"]
+    for rank, record in enumerate(records):
+        block = torch.load(directory / f"last.ckpt.{local['token']}.block{rank}of2")
+        for name, value in block["params"].items():
+            assert torch.equal(value, record["params"][name]["value"]), (rank, name)
+
+
+@pytest.mark.mpi
+def test_engine_auto_under_mpiexec_trains_one_model_on_lightnings_process_group(
+    tmp_path: Path,
+) -> None:
+    # Lightning's MPIEnvironment counts mpiexec's workers and makes the torch
+    # process group: "auto" adopts it, never one replica per process.
+    records = fit(tmp_path, "--plan", "auto", "--epochs", "2", mpiexec=True)
+    assert_a_full_run_on_two_workers(records, "torch")
+
+
+@pytest.mark.mpi
+def test_devices_that_do_not_count_mpiexecs_workers_are_refused(tmp_path: Path) -> None:
+    options = ["--plan", "auto", "--epochs", "1", "--engine", "mpi", "--devices", "1"]
+    code, output = launch(tmp_path, *options, mpiexec=True)
+    assert code != 0, output
+    assert "the launcher started 2 worker(s) but the Trainer counts devices=1" in output
+
+
 @pytest.mark.parametrize("engine", ["local", "mpi-ish"])
 def test_an_engine_the_strategy_cannot_use_is_refused(engine: str) -> None:
     from pyro_distributed.lightning import PyroDistributedStrategy
 
-    with pytest.raises(ValueError, match="choose 'auto', 'torch' or 'horovod'"):
+    with pytest.raises(ValueError, match="choose 'auto', 'torch', 'horovod' or 'mpi'"):
         PyroDistributedStrategy(engine=engine)
 
 
