@@ -307,9 +307,10 @@ def _refuse(
     if outside:
         raise PyroDistributedError(
             f"local parameters outside the LightningModule ({', '.join(outside[:3])}"
-            f"{' ...' if len(outside) > 3 else ''}, in Pyro's param store) are not part of "
-            f"a Lightning checkpoint, which holds the module's state_dict; save them with "
-            f"pd.save_checkpoint(path, optim) from a callback"
+            f"{' ...' if len(outside) > 3 else ''}: in Pyro's param store, or on a module it "
+            f"does not hold) are not part of a Lightning checkpoint, which holds the "
+            f"module's state_dict; save them with pd.save_checkpoint(path, optim) from a "
+            f"callback"
         )
     failed = {rank: problem for rank, (_, problem) in enumerate(shared) if problem is not None}
     if failed:
