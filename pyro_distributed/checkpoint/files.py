@@ -71,12 +71,15 @@ def commit(
     local: dict[str, LocalParam],
     values: dict[str, Tensor],
     optim_state: dict[str, Any],
+    *,
+    write: Callable[[Path, dict[str, Any]], None] = write_atomically,
 ) -> None:
     """Write a checkpoint: the blocks of ``local`` (their ``values`` and
-    ``optim_state``) on every worker, then ``state(local_meta)`` on worker 0.
+    ``optim_state``) on every worker, then ``state(local_meta)`` on worker 0,
+    with ``write`` (default: to a temporary file, flushed, renamed over ``path``).
 
     :raises PyroDistributedError: on every worker, if any write failed; the
-        previous checkpoint is then intact.
+        previous checkpoint is then intact (if ``write`` replaces files atomically).
     """
     target = Path(path)
     token = None
@@ -92,7 +95,7 @@ def commit(
     failure = None
     if engine.rank == 0:
         try:
-            write_atomically(target, state(meta))
+            write(target, state(meta))
         except Exception as exc:  # reported to every worker below
             failure = f"{type(exc).__name__}: {exc}"
     failure = engine.allgather_object(failure)[0]

@@ -26,12 +26,12 @@ from ..local.blocks import load_blocks
 from ..optim.torch_optimizer import DistributedTorchOptimizer
 from . import files
 
-__all__ = ["load", "save"]
+__all__ = ["ModuleLocal", "load", "module_locals", "save", "state_indices", "without_state"]
 
 
 @dataclass(frozen=True)
-class _Held:
-    """A local parameter of the module: its record under its ``named_parameters()``
+class ModuleLocal:
+    """A local parameter of a module: its record under its ``named_parameters()``
     name (which the block files use), the tensor, and its Pyro name and constraint."""
 
     record: registry.LocalParam
@@ -40,19 +40,19 @@ class _Held:
     constraint: Any
 
 
-def _local_of_module(module: torch.nn.Module) -> dict[str, _Held]:
+def module_locals(module: torch.nn.Module) -> dict[str, ModuleLocal]:
     """The module's local parameters, by ``named_parameters()`` name."""
-    found: dict[str, _Held] = {}
+    found: dict[str, ModuleLocal] = {}
     for name, param in module.named_parameters():
         record = registry.local_of(param)
         if record is not None:
             as_module = registry.LocalParam(name, record.plate, record.size, record.axis)
             constraint = registry.module_constraint(record.name)
-            found[name] = _Held(as_module, param, record.name, constraint)
+            found[name] = ModuleLocal(as_module, param, record.name, constraint)
     return found
 
 
-def _index_of(optimizer: DistributedTorchOptimizer) -> dict[int, int]:
+def state_indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """Each parameter's index in the optimizer's ``state_dict`` (by ``id``): torch
     numbers them in the order the groups list them."""
     indices: dict[int, int] = {}
@@ -60,6 +60,13 @@ def _index_of(optimizer: DistributedTorchOptimizer) -> dict[int, int]:
         for param in group["params"]:
             indices.setdefault(id(param), len(indices))
     return indices
+
+
+def without_state(saved: dict[str, Any], indices: set[int]) -> dict[str, Any]:
+    """An optimizer's ``state_dict`` without the state of the parameters at
+    ``indices`` (local ones: their rows travel in the block files)."""
+    kept = {index: value for index, value in saved["state"].items() if index not in indices}
+    return {**saved, "state": kept}
 
 
 def save(
@@ -71,21 +78,16 @@ def save(
     """:func:`~pyro_distributed.save_checkpoint` of a run with a torch optimizer."""
     engine = optimizer.engine
     rng_states = files.gather_rng(engine)
-    local = _local_of_module(module)
+    local = module_locals(module)
     records = {name: held.record for name, held in local.items()}
     values = {name: held.param for name, held in local.items()}
-    indices = _index_of(optimizer)
+    indices = state_indices(optimizer)
     local_indices = {indices[id(param)] for param in values.values() if id(param) in indices}
     state_of = optimizer.state
     optim_state = {name: dict(state_of[p]) for name, p in values.items() if p in state_of}
 
     def state(local_meta: dict[str, Any] | None) -> dict[str, Any]:
-        saved_optimizer = optimizer.state_dict()
-        saved_optimizer["state"] = {
-            index: value
-            for index, value in saved_optimizer["state"].items()
-            if index not in local_indices
-        }
+        saved_optimizer = without_state(optimizer.state_dict(), local_indices)
         return {
             **files.header(engine, optimizer.num_steps, "module"),
             "module": {k: v for k, v in module.state_dict().items() if k not in records},
@@ -132,7 +134,7 @@ def load(
         # Each worker reads the blocks it needs, from where worker 0 found the checkpoint.
         values, local_state = load_blocks(where, state["local"], local)
         named = dict(module.named_parameters())
-        indices = _index_of(optimizer)
+        indices = state_indices(optimizer)
         for name, value in values.items():
             param = named[name]
             with torch.no_grad():

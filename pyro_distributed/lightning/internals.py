@@ -21,6 +21,9 @@ version, when one of these moves.
   ``horovodrun`` the strategy sets it from Horovod's rank.
 * ``_optimizers_to_device``: moves optimizer state to the strategy's device,
   as Lightning's own strategies do.
+* ``_is_local_file_protocol``: whether a checkpoint path is on the local file
+  system (and can have block files beside it) or an fsspec URL, as Lightning
+  itself decides.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.fabric.utilities import rank_zero as fabric_rank_zero
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.trainer.states import RunningStage
@@ -36,7 +40,13 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from lightning_utilities.core import rank_zero as utilities_rank_zero
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
-__all__ = ["disable_sampler_injection", "optimizers_to_device", "set_rank_zero", "with_sampler"]
+__all__ = [
+    "disable_sampler_injection",
+    "is_local_path",
+    "optimizers_to_device",
+    "set_rank_zero",
+    "with_sampler",
+]
 
 
 def disable_sampler_injection(trainer: Any) -> None:
@@ -72,3 +82,8 @@ def set_rank_zero(rank: int) -> None:
     """Tell Lightning's ``rank_zero_only`` helpers this process's global rank."""
     for module in (utilities_rank_zero, fabric_rank_zero, pytorch_rank_zero):
         module.rank_zero_only.rank = rank
+
+
+def is_local_path(path: Any) -> bool:
+    """Whether ``path`` is on the local file system (not an fsspec URL such as ``s3://``)."""
+    return bool(_is_local_file_protocol(path))

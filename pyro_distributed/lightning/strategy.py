@@ -3,7 +3,9 @@
 It subclasses Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`
 and keeps everything that starts the workers: the launcher (``devices=N``
 on CPU with gloo or on GPUs with NCCL, ``num_nodes``, or an outside launcher
-such as ``torchrun``), the cluster environments and the process group. What
+such as ``torchrun`` or ``mpiexec``), the cluster environments and the process
+group; with ``engine="horovod"`` or ``engine="mpi"`` the outside launcher's
+workers meet on that transport instead, without a torch process group. What
 it changes is what DDP does with gradients and data:
 
 * The module is not wrapped in ``DistributedDataParallel``. Every optimizer
@@ -20,8 +22,11 @@ it changes is what DDP does with gradients and data:
   and ``barrier`` run on the engine, and so does ``EarlyStopping``'s decision.
 * ``trainer.predict`` returns every worker's predictions, in the data's
   order, on worker 0.
-* Checkpoints carry every worker's RNG states, so that ``trainer.fit(...,
-  ckpt_path=...)`` at the same world size continues bitwise.
+* Checkpoints are complete: every worker's RNG states, and local
+  parameters as one block file per worker beside Lightning's file, written all
+  or nothing (:mod:`pyro_distributed.lightning.checkpoints`).
+  ``trainer.fit(..., ckpt_path=...)`` at the same world size continues
+  bitwise; at another, the blocks are re-partitioned.
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -43,22 +47,21 @@ from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 
 from .. import runtime
-from ..checkpoint import files
 from ..checks import check_bool
 from ..data.shards import ShardSampler
 from ..data.subsample import shard_subsamples
 from ..engines import ENGINE_NAMES, Engine
 from ..errors import PyroDistributedError
 from ..local.gradients import split_local
-from ..local.registry import local_params
 from ..optim.torch_optimizer import DistributedTorchOptimizer
-from ..seeding import shared_generator
-from . import internals
+from . import checkpoints, internals
 from .data import EvaluationSampler, is_plain_sampler
 
 __all__ = ["PyroDistributedStrategy"]
 
-_CHECKPOINT_KEY = "pyro_distributed"
+# Engines whose launcher (horovodrun, mpiexec) starts every worker and that
+# need no torch process group.
+_OWN_WORKERS = ("horovod", "mpi")
 _REDUCE_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 
 
@@ -66,8 +69,12 @@ class PyroDistributedStrategy(DDPStrategy):
     """Train a LightningModule data-parallel with this library's optimizers.
 
     :param engine: ``"auto"`` (default: the process group that Lightning or
-        the outside launcher made), ``"torch"``, or ``"horovod"`` (under
-        ``horovodrun``, which starts every worker itself).
+        the outside launcher made, also under ``mpiexec``, where Lightning's
+        ``MPIEnvironment`` makes it), ``"torch"``, ``"horovod"`` (under
+        ``horovodrun``, ``devices=1`` per process) or ``"mpi"`` (under
+        ``mpiexec``/``mpirun``, ``devices`` x ``num_nodes`` = its ``-n``):
+        those two launchers start every worker, and every collective runs on
+        Horovod or MPI, with no torch process group.
     :param own_local_params: keep each per-data-point parameter's rows only
         on the worker that owns them (README, "Local parameters owned by
         their worker"); the training loader then gives each worker its block.
@@ -114,7 +121,17 @@ class PyroDistributedStrategy(DDPStrategy):
         LightningModule's ``setup()`` and inside
         ``pd.shard_subsamples(own_local_params=True, by_block=True)``, on
         indices from this worker's block: a parameter that a forward pass
-        used with all its rows cannot be cut afterwards.
+        used with all its rows cannot be cut afterwards. Lightning calls
+        ``setup()`` before it restores a checkpoint, so a resumed run's local
+        parameters are then cut to this worker's block, as a checkpoint's
+        blocks are restored only into parameters that are local already.
+
+    .. warning::
+        A checkpoint of local parameters is Lightning's file and, beside it in
+        a directory every worker sees, one ``<file>.<token>.block<r>of<W>``
+        per worker: copy them together, restore them through the Trainer
+        (``ckpt_path=``; ``load_from_checkpoint`` sees the global parameters
+        only), and trust them (block files are unpickled).
     """
 
     strategy_name = "pyro_distributed"
@@ -138,7 +155,8 @@ class PyroDistributedStrategy(DDPStrategy):
     ) -> None:
         if engine not in ("auto", *ENGINE_NAMES) or engine == "local":
             raise ValueError(
-                f"PyroDistributedStrategy(engine={engine!r}): choose 'auto', 'torch' or 'horovod'"
+                f"PyroDistributedStrategy(engine={engine!r}): choose 'auto', 'torch', "
+                f"'horovod' or 'mpi'"
             )
         check_bool("own_local_params", own_local_params)
         check_bool("shuffle", shuffle)
@@ -157,6 +175,7 @@ class PyroDistributedStrategy(DDPStrategy):
         )
         self._engine_name = engine
         self._engine: Engine | None = None
+        self._resumption: checkpoints.Resumption | None = None
         self.own_local_params = own_local_params
         self.shuffle, self.seed = shuffle, seed
         self._optimizer_options = options
@@ -174,20 +193,25 @@ class PyroDistributedStrategy(DDPStrategy):
         return self._engine
 
     def _configure_launcher(self) -> None:
-        if self._engine_name == "horovod":
-            self._launcher = None  # horovodrun started every worker itself
+        if self._engine_name in _OWN_WORKERS:
+            self._launcher = None  # horovodrun or mpiexec started every worker itself
         else:
             super()._configure_launcher()
 
     def setup_environment(self) -> None:
         """The device, then the workers: DDP's process group and the engine on it,
-        or, with ``engine="horovod"``, Horovod's workers and no torch process group."""
-        if self._engine_name != "horovod":
+        or, with ``engine="horovod"`` or ``"mpi"``, the launcher's workers on
+        that engine and no torch process group."""
+        assert self.cluster_environment is not None
+        if self._engine_name not in _OWN_WORKERS:
+            if self.cluster_environment.creates_processes_externally:
+                self._check_devices(self.cluster_environment.world_size())
             super().setup_environment()  # calls setup_distributed()
             return
+        self._engine = runtime.init(self._engine_name)
+        if self._engine_name == "mpi":  # Horovod's convention is devices=1 per process
+            self._check_devices(self._engine.world_size)
         super(DDPStrategy, self).setup_environment()  # the device alone
-        self._engine = runtime.init("horovod")
-        assert self.cluster_environment is not None
         self.cluster_environment.set_world_size(self._engine.world_size)
         self.cluster_environment.set_global_rank(self._engine.rank)
         internals.set_rank_zero(self._engine.rank)
@@ -199,6 +223,15 @@ class PyroDistributedStrategy(DDPStrategy):
         self._engine = runtime.init(self._engine_name)
         self._check_world_size()
         atexit.register(_leave_together, self._engine)
+
+    def _check_devices(self, workers: int) -> None:
+        """Refuse Trainer arguments that count other workers than the outside launcher started."""
+        if self.num_nodes * self.num_processes != workers:
+            raise PyroDistributedError(
+                f"PyroDistributedStrategy: the launcher started {workers} worker(s) but the "
+                f"Trainer counts devices={self.num_processes} x num_nodes={self.num_nodes}; "
+                f"give it devices= (workers per machine) and num_nodes= that match"
+            )
 
     def _check_world_size(self) -> None:
         assert self._engine is not None
@@ -366,40 +399,40 @@ class PyroDistributedStrategy(DDPStrategy):
                 [p for piece in pieces for p in piece[loader]] for loader in range(len(predictions))
             ]
 
-    # -- checkpoints: every worker's RNG state travels with Lightning's
+    # -- checkpoints, local blocks included: lightning/checkpoints.py
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Lightning's checkpoint, plus every worker's RNG states (a collective:
-        Lightning calls it on every worker; worker 0 writes the file).
+        """Lightning's checkpoint with every worker's RNG states and blocks of local
+        parameters, all or nothing (a collective; see :func:`checkpoints.save`)."""
+        assert self.lightning_module is not None
+        checkpoints.save(
+            checkpoint, filepath, engine=self.engine, module=self.lightning_module,
+            optimizers=self.optimizers, checkpoint_io=self.checkpoint_io,
+            storage_options=storage_options,
+        )  # fmt: skip
 
-        :raises PyroDistributedError: on every worker, if some parameters are
-            local: worker 0's file would hold only its own block of them.
-        """
-        local = sorted(local_params())
-        if local and self.engine.world_size > 1:
-            raise PyroDistributedError(
-                f"PyroDistributedStrategy cannot yet write a Lightning checkpoint of local "
-                f"parameters ({', '.join(local[:3])}{' ...' if len(local) > 3 else ''}): each "
-                f"worker holds only its block. Save with pd.save_checkpoint(path, optimizer, "
-                f"module=...) from a callback instead"
-            )
-        checkpoint[_CHECKPOINT_KEY] = {
-            "world_size": self.engine.world_size,
-            "rng": [_loadable(state) for state in files.gather_rng(self.engine)],
-            "shared_rng": shared_generator().get_state(),
-        }
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            checkpoints.remove(filepath, self.checkpoint_io)  # the file, then its blocks
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        self._resumption = checkpoints.Resumption.of(checkpoint_path)  # where the blocks are
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """The module's state, then this worker's RNG states when the checkpoint
-        has them for this world size (so that a resumed run continues bitwise)."""
-        super().load_model_state_dict(checkpoint, strict=strict)
-        state = checkpoint.get(_CHECKPOINT_KEY)
-        if state is not None:
-            rng = [_restorable(worker) for worker in state["rng"]]
-            files.restore_rng({**state, "rng": rng}, self.engine)
+        """The module, this worker's rows of local parameters re-partitioned for
+        this world size, and its RNG states if the world size is the saved one."""
+        assert self.lightning_module is not None
+        state = checkpoints.module_state(checkpoint, self._resumption, self.lightning_module)
+        super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
+        checkpoints.restore_rng(checkpoint, self.engine)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoints.optimizer_states(checkpoint, self._resumption)
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
+        checkpoints.restore_counts(checkpoint, self.optimizers)
 
     # -- registration
 
@@ -426,20 +459,6 @@ def _leave_together(engine: Engine) -> None:
         with suppress(PyroDistributedError):
             engine.barrier()
     torch.distributed.destroy_process_group()
-
-
-def _loadable(worker_state: Any) -> Any:
-    """A worker's RNG states in types that ``torch.load(weights_only=True)``
-    (Lightning's default) accepts: NumPy's key array as a list of ints."""
-    rng, blocks = worker_state
-    kind, keys, *rest = rng["numpy"]
-    return {**rng, "numpy": (kind, keys.tolist(), *rest)}, blocks
-
-
-def _restorable(worker_state: Any) -> Any:
-    rng, blocks = worker_state
-    kind, keys, *rest = rng["numpy"]
-    return {**rng, "numpy": (kind, np.asarray(keys, dtype=np.uint32), *rest)}, blocks
 
 
 def _reduce_op(reduce_op: Any) -> str:

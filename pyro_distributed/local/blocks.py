@@ -33,7 +33,9 @@ previous checkpoint's files in place, which breaks all-or-nothing saves.
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import secrets
 import tempfile
 from collections.abc import Iterator
@@ -107,14 +109,21 @@ def save_blocks(
 
 def remove_blocks(path: Path, keep: str | None = None, *, only_rank: int | None = None) -> None:
     """Delete the block files of ``path`` whose token is not ``keep`` (or, with
-    ``only_rank``, this save's file of that worker, after a failed save)."""
-    if only_rank is not None:
-        for mine in path.parent.glob(f"{path.name}.{keep}.block{only_rank}of*"):
-            mine.unlink(missing_ok=True)
-        return
-    for stale in path.parent.glob(f"{path.name}.*.block*of*"):
-        if keep is None or not stale.name.startswith(f"{path.name}.{keep}.block"):
-            stale.unlink(missing_ok=True)
+    ``only_rank``, this save's file of that worker, after a failed save).
+
+    Only names of exactly the form ``<path name>.<hex token>.block<r>of<W>``
+    count, so a save or removal of ``last.ckpt`` never touches the blocks of
+    ``last.ckpt.ckpt`` or of any other checkpoint in the directory.
+    """
+    pattern = re.compile(rf"{re.escape(path.name)}\.([0-9a-f]+)\.block(\d+)of\d+")
+    for found in path.parent.glob(f"{glob.escape(path.name)}.*"):
+        match = pattern.fullmatch(found.name)
+        if match is None:
+            continue
+        token, rank = match.group(1), int(match.group(2))
+        stale = token == keep and rank == only_rank if only_rank is not None else token != keep
+        if stale:
+            found.unlink(missing_ok=True)
 
 
 def load_blocks(

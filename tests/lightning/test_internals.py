@@ -44,3 +44,9 @@ def test_rank_zero_can_be_set() -> None:
         assert rank_zero_only.rank == 3, VERSION  # type: ignore[attr-defined]
     finally:
         internals.set_rank_zero(before)
+
+
+def test_local_paths_are_told_from_urls() -> None:
+    assert internals.is_local_path("checkpoints/last.ckpt"), VERSION
+    assert internals.is_local_path("file:///tmp/last.ckpt"), VERSION
+    assert not internals.is_local_path("s3://bucket/last.ckpt"), VERSION

@@ -1,4 +1,4 @@
-"""PyroDistributedStrategy with real processes: Lightning's own launcher, and torchrun.
+"""PyroDistributedStrategy with real processes: Lightning's launcher and the outside ones.
 
 Each test runs ``scripts/fit_regression.py`` as a user would (Lightning's
 launcher starts the second process by re-running the script) and reads what
@@ -26,26 +26,34 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "fit_regression.py"
 BIN = Path(sys.executable).parent
 
 
-def fit(
+def launch(
     tmp_path: Path,
     *options: str,
+    workers: int = 2,
     torchrun: bool = False,
     horovodrun: bool = False,
+    mpiexec: bool = False,
     timeout: float = 300,
-) -> list[Any]:
-    """Run the script on 2 workers; every worker's record, by rank."""
+) -> tuple[int, str]:
+    """Run the script on ``workers`` workers; its exit code and the end of its output.
+
+    Lightning's own launcher by default (``--devices workers``), else the
+    outside launcher named, which starts every worker itself.
+    """
     out = tmp_path / "out"
-    command = [sys.executable, str(SCRIPT), "--out", str(out), *options]
+    command = [sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(workers), *options]
     if horovodrun:
         command = [
-            str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
+            str(BIN / "horovodrun"), "--gloo", "-np", str(workers), "-H", f"localhost:{workers}",
             *command, "--devices", "1", "--engine", "horovod",
         ]  # fmt: skip
     if torchrun:
         command = [
-            str(BIN / "torchrun"), "--nproc-per-node=2", "--master-addr=127.0.0.1",
+            str(BIN / "torchrun"), f"--nproc-per-node={workers}", "--master-addr=127.0.0.1",
             f"--master-port={free_port()}", *command[1:],
         ]  # fmt: skip
+    if mpiexec:
+        command = [str(BIN / "mpiexec"), "-n", str(workers), *command]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -55,9 +63,14 @@ def fit(
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
     )
-    output = f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    assert done.returncode == 0, f"exit {done.returncode}\n{output}"
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    return done.returncode, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
+def fit(tmp_path: Path, *options: str, workers: int = 2, **launcher: Any) -> list[Any]:
+    """Run the script (see :func:`launch`); every worker's record, by rank."""
+    code, output = launch(tmp_path, *options, workers=workers, **launcher)
+    assert code == 0, f"exit {code}\n{output}"
+    return [torch.load(tmp_path / "out" / f"rank{rank}.pt") for rank in range(workers)]
 
 
 def exact_posterior() -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,15 +181,8 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path: Path) -> None:
     plan = ["--plan", "auto", "--val-every", "1"]
     checkpoints = tmp_path / "checkpoints"
     first = fit(tmp_path / "first", *plan, "--epochs", "2", "--checkpoint-dir", str(checkpoints))
-    out = tmp_path / "one"
-    command = [
-        sys.executable, str(SCRIPT), "--out", str(out), *plan, "--epochs", "3",
-        "--devices", "1", "--resume", str(checkpoints / "last.ckpt"),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-6000:]
-    (one,) = [torch.load(out / "rank0.pt")]
+    resume = ["--epochs", "3", "--resume", str(checkpoints / "last.ckpt")]
+    (one,) = fit(tmp_path / "one", *plan, *resume, workers=1)
     # 2 x 5 steps restored, then one epoch of 10 steps alone (from scratch: 30).
     assert one["world_size"] == 1 and one["global_step"] == 10 + 10
     assert len(one["seen"]) == N  # the third epoch: every row, on the one worker
@@ -197,11 +203,57 @@ def test_the_strategy_on_horovod_under_horovodrun(tmp_path: Path) -> None:
     assert records[0]["predictions"] == list(range(N_VAL))
 
 
+def assert_a_full_run_on_two_workers(records: list[Any], engine: str) -> None:
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["world_size"] == 2 and r["engine_world_size"] == 2 for r in records)
+    assert [r["engine"] for r in records] == [engine, engine]
+    assert_in_sync(records)
+    assert_each_epoch_shares_the_rows(records, epochs=2)
+    assert all(r["metrics"]["val_rows"] == N_VAL for r in records)  # a global sum
+    assert [r["reduce_sum"] for r in records] == [3.0, 3.0]
+    assert records[0]["predictions"] == list(range(N_VAL))
+    assert records[1]["predictions"] == []
+
+
+@pytest.mark.mpi
+def test_the_strategy_on_mpi_under_mpiexec(tmp_path: Path) -> None:
+    # mpiexec starts both workers (devices=2: workers per machine, as under
+    # torchrun); every collective runs on MPI, with no torch process group,
+    # those of a checkpoint of local parameters (each worker's own rows) included.
+    directory = tmp_path / "checkpoints"
+    options = ["--plan", "local", "--epochs", "2", "--checkpoint-dir", str(directory)]
+    records = fit(tmp_path, *options, "--engine", "mpi", mpiexec=True)
+    assert_a_full_run_on_two_workers(records, "mpi")
+    local = torch.load(directory / "last.ckpt")["pyro_distributed"]["local"]
+    for rank, record in enumerate(records):
+        block = torch.load(directory / f"last.ckpt.{local['token']}.block{rank}of2")
+        for name, value in block["params"].items():
+            assert torch.equal(value, record["params"][name]["value"]), (rank, name)
+
+
+@pytest.mark.mpi
+def test_engine_auto_under_mpiexec_trains_one_model_on_lightnings_process_group(
+    tmp_path: Path,
+) -> None:
+    # Lightning's MPIEnvironment counts mpiexec's workers and makes the torch
+    # process group: "auto" adopts it, never one replica per process.
+    records = fit(tmp_path, "--plan", "auto", "--epochs", "2", mpiexec=True)
+    assert_a_full_run_on_two_workers(records, "torch")
+
+
+@pytest.mark.mpi
+def test_devices_that_do_not_count_mpiexecs_workers_are_refused(tmp_path: Path) -> None:
+    options = ["--plan", "auto", "--epochs", "1", "--engine", "mpi", "--devices", "1"]
+    code, output = launch(tmp_path, *options, mpiexec=True)
+    assert code != 0, output
+    assert "the launcher started 2 worker(s) but the Trainer counts devices=1" in output
+
+
 @pytest.mark.parametrize("engine", ["local", "mpi-ish"])
 def test_an_engine_the_strategy_cannot_use_is_refused(engine: str) -> None:
     from pyro_distributed.lightning import PyroDistributedStrategy
 
-    with pytest.raises(ValueError, match="choose 'auto', 'torch' or 'horovod'"):
+    with pytest.raises(ValueError, match="choose 'auto', 'torch', 'horovod' or 'mpi'"):
         PyroDistributedStrategy(engine=engine)
 
 

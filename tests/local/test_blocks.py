@@ -162,3 +162,32 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact_and_complete(
     loaded = run_workers(loaded_state, path, 0)
     for rank, worker in enumerate((first, second)):
         assert_same_state(loaded[rank]["values"], worker["before"]["values"], f"worker {rank}")
+
+
+def test_removing_blocks_touches_exactly_that_checkpoints_files(tmp_path: Path) -> None:
+    # A name that starts with another checkpoint's name and a dot ("last.ckpt.ckpt")
+    # must not be taken for one of its blocks, nor must any file that is not a block.
+    blocks = pyro_distributed.local.blocks
+    names = {
+        "last.ckpt.0a1b2c.block0of2": "stale",
+        "last.ckpt.0a1b2c.block1of2": "stale",
+        "last.ckpt.ffff00.block0of2": "kept",
+        "last.ckpt.ffff00.block1of2": "kept",
+        "last.ckpt": "kept",
+        "last.ckpt.ckpt": "kept",
+        "last.ckpt.ckpt.0a1b2c.block0of2": "kept",
+        "last.ckpt.0a1b2c.block0of2.bak": "kept",
+        "last.ckpt.notes": "kept",
+    }
+    for name in names:
+        (tmp_path / name).write_text(name)
+    blocks.remove_blocks(tmp_path / "last.ckpt", keep="ffff00")
+    left = {path.name for path in tmp_path.iterdir()}
+    assert left == {name for name, fate in names.items() if fate == "kept"}
+    blocks.remove_blocks(tmp_path / "last.ckpt", keep="ffff00", only_rank=1)
+    assert "last.ckpt.ffff00.block1of2" not in {path.name for path in tmp_path.iterdir()}
+    blocks.remove_blocks(tmp_path / "last.ckpt")
+    assert {path.name for path in tmp_path.iterdir()} == left - {
+        "last.ckpt.ffff00.block0of2",
+        "last.ckpt.ffff00.block1of2",
+    }

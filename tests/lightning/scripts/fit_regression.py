@@ -5,17 +5,29 @@ device, and torchrun runs it once per worker. Every worker writes what it
 ends with to ``OUT/rank{r}.pt``; the tests compare the workers and the answer.
 
 ``--plan auto``: a LightningModule over Pyro's ELBO module with a torch
-optimizer (automatic optimization). ``--plan manual``: the pattern of
-scvi-tools' ``PyroTrainingPlan``: manual optimization, ``SVI.step`` inside
-``training_step`` with ``pd.DistributedOptimizer(PyroOptim)`` built before
-the Trainer starts its processes, and a stand-in torch optimizer that
-Lightning steps to count steps.
+optimizer (automatic optimization). ``--plan local``: the same with a latent
+offset per row whose parameters are owned by their worker
+(``own_local_params=True``), created in ``setup()`` as the strategy's rule
+says. ``--plan manual``: the pattern of scvi-tools' ``PyroTrainingPlan``:
+manual optimization, ``SVI.step`` inside ``training_step`` with
+``pd.DistributedOptimizer(PyroOptim)`` built before the Trainer starts its
+processes, and a stand-in torch optimizer that Lightning steps to count steps.
+
+``--fail-save-at-epoch E`` makes the checkpoint save at the end of epoch E
+fail for real on one worker (``--failing-worker``): from that epoch's start,
+it may not write a file larger than ``--file-limit`` bytes (``RLIMIT_FSIZE``),
+so the strategy's own write of its block, or of Lightning's file, raises
+``OSError`` (EFBIG). Worker 0 first records the checkpoint directory as it is
+(names and SHA-256), for the test to compare with what the failure leaves.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import resource
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +64,31 @@ class Regression(PyroModule):
             return pyro.sample("y", dist.Normal(x @ w, SIGMA), obs=y)
 
 
+class LocalRegression(PyroModule):
+    """Regression with a latent offset per row: its variational parameters are local."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def forward(self, indices: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
+        w = pyro.sample("w", dist.Normal(0.0, 10.0).expand([3]).to_event(1))
+        with pyro.plate("data", self.size, subsample=indices):
+            z = pyro.sample("z", dist.Normal(0.0, 0.5))
+            return pyro.sample("y", dist.Normal(x @ w + z, SIGMA), obs=y)
+
+
+def snapshot(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Every parameter: the global indices of the rows this worker holds (all of
+    a global one's), its values, and its optimizer state."""
+    taken = {}
+    for name, param in module.named_parameters():
+        indices, value = pd.local_rows(name, module=module)
+        state = {k: v.clone() for k, v in optimizer.state.get(param, {}).items()}
+        taken[name] = {"indices": indices, "value": value.clone(), "state": state}
+    return taken
+
+
 class Recorder(pl.LightningModule):
     """What both plans share: validation, prediction, and a record of what each
     worker saw."""
@@ -64,6 +101,8 @@ class Recorder(pl.LightningModule):
     def on_train_start(self) -> None:
         if self.trainer.ckpt_path is None:  # a resumed run has its RNG states back
             pd.set_rng_seed(1)  # independent guide noise on each worker, now that they have met
+        else:  # what the checkpoint restored, before any step
+            self.restored = snapshot(self, self.trainer.strategy.optimizers[0])
 
     def on_train_epoch_end(self) -> None:
         # Each worker's own signal, not synchronised: worker 1's stops improving
@@ -102,6 +141,53 @@ class AutomaticPlan(Recorder):
         return {"loc": guide.locs.w.detach().clone(), "scale": guide.scales.w.detach().clone()}
 
 
+class LocalPlan(AutomaticPlan):
+    """Per-row latents owned by their worker, created in setup() on this worker's block."""
+
+    def __init__(self, lr: float, train: IndexedDataset) -> None:
+        Recorder.__init__(self)
+        model = LocalRegression(N)
+        guide = AutoNormal(
+            model, create_plates=lambda idx, *_: pyro.plate("data", N, subsample=idx)
+        )
+        self.loss_fn = Trace_ELBO()(model, guide)
+        self.lr, self.dataset = lr, train
+
+    def setup(self, stage: str) -> None:
+        first = next(iter(pd.ShardSampler(self.dataset, by_block=True, shuffle=False)))
+        with pd.shard_subsamples(own_local_params=True, by_block=True):
+            self.loss_fn(*self.dataset[torch.tensor([first])])
+
+
+class FailSave(pl.Callback):
+    """From epoch ``epoch``'s start, worker ``rank`` cannot write files over ``limit`` bytes."""
+
+    def __init__(self, epoch: int, rank: int, limit: int, out: Path, directory: Path) -> None:
+        self.epoch, self.rank, self.limit = epoch, rank, limit
+        self.out, self.directory = out, directory
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.current_epoch != self.epoch:
+            return
+        if trainer.global_rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            torch.save(listing(self.directory), self.out / "before_failure.pt")
+        if trainer.global_rank == self.rank:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write, do not kill
+            _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit, hard))
+
+
+def listing(directory: Path) -> dict[str, str]:
+    """Every entry of ``directory``: a symlink's target, or a file's SHA-256."""
+    return {
+        path.name: f"-> {os.readlink(path)}"
+        if path.is_symlink()
+        else hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.iterdir())
+    }
+
+
 class ManualPlan(Recorder):
     """scvi-tools' pattern, in miniature."""
 
@@ -133,7 +219,7 @@ class ManualPlan(Recorder):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--plan", choices=["auto", "manual"], default="auto")
+    parser.add_argument("--plan", choices=["auto", "local", "manual"], default="auto")
     parser.add_argument("--strategy", choices=["ours", "ddp"], default="ours")
     parser.add_argument("--engine", default="auto", help="PyroDistributedStrategy(engine=...)")
     parser.add_argument("--devices", type=int, default=2)
@@ -144,6 +230,9 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, help="epochs between validations (default: last)")
     parser.add_argument("--checkpoint-dir", type=Path, help="ModelCheckpoint(save_last=True)")
     parser.add_argument("--resume", type=Path, help="trainer.fit(ckpt_path=...)")
+    parser.add_argument("--fail-save-at-epoch", type=int, help="a worker's save fails then")
+    parser.add_argument("--failing-worker", type=int, default=1)
+    parser.add_argument("--file-limit", type=int, default=2048, help="bytes, for that worker")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -157,13 +246,18 @@ def main() -> None:
         pyro.settings.set(module_local_params=True)
         plan = AutomaticPlan(lr=args.lr)
         plan.loss_fn(*train[:2])  # AutoNormal creates its parameters here
+    elif args.plan == "local":
+        pyro.settings.set(module_local_params=True)
+        plan = LocalPlan(lr=args.lr, train=train)  # AutoNormal's parameters: in setup()
     else:
         optim = pd.DistributedOptimizer(pyro.optim.ClippedAdam({"lr": 0.1, "lrd": 0.995}))
         built_alone = pd.world_size()  # before Lightning's process group: one worker here
         plan = ManualPlan(optim)
-    strategy: Any = (
-        PyroDistributedStrategy(engine=args.engine) if args.strategy == "ours" else "ddp"
-    )
+    strategy: Any = "ddp"
+    if args.strategy == "ours":
+        strategy = PyroDistributedStrategy(
+            engine=args.engine, own_local_params=args.plan == "local"
+        )
     callbacks = []
     if args.early_stop:
         callbacks.append(
@@ -175,6 +269,16 @@ def main() -> None:
         callbacks.append(
             pl.callbacks.ModelCheckpoint(
                 dirpath=args.checkpoint_dir, save_last=True, save_on_train_epoch_end=True
+            )
+        )
+    if args.fail_save_at_epoch is not None:
+        callbacks.append(
+            FailSave(
+                args.fail_save_at_epoch,
+                args.failing_worker,
+                args.file_limit,
+                args.out,
+                args.checkpoint_dir,
             )
         )
     trainer = pl.Trainer(
@@ -194,8 +298,18 @@ def main() -> None:
     val_loader = DataLoader(val, batch_size=16)
     if args.strategy == "ddp":  # plain DDP: each worker its half, by Lightning's sampler
         trainer.fit(plan, loader)
-    else:
+    elif args.fail_save_at_epoch is None:
         trainer.fit(plan, loader, val_loader, ckpt_path=args.resume)
+    else:
+        try:
+            trainer.fit(plan, loader, val_loader, ckpt_path=args.resume)
+        except pd.PyroDistributedError as error:  # recorded on every worker, then re-raised
+            _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))  # the record may be written
+            args.out.mkdir(parents=True, exist_ok=True)
+            failure = {"rank": trainer.global_rank, "error": str(error)}
+            torch.save(failure, args.out / f"rank{trainer.global_rank}.pt")
+            raise
     rank = trainer.global_rank
     record: dict[str, Any] = {
         "rank": rank,
@@ -207,6 +321,9 @@ def main() -> None:
         "val_seen": plan.val_seen,
         "global_step": trainer.global_step,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "engine": pd.current_engine().name,
+        "params": snapshot(plan, trainer.strategy.optimizers[0]),
+        "restored": getattr(plan, "restored", None),
     }
     if args.strategy == "ours":
         strategy = trainer.strategy
