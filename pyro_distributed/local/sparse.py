@@ -249,11 +249,19 @@ def take_gradients(params: list[Tensor]) -> tuple[list[Tensor], list[RowGradient
 
 
 def _summed(name: str, tensor: Tensor, entry: _Uses) -> RowGradients | None:
-    if tensor.grad is not None:
-        raise PyroDistributedError(
-            f"local parameter {name!r} has a dense gradient under local_updates='sparse': "
-            f"read it only through its plate inside shard_subsamples(local_updates='sparse')"
-        )
+    dense = tensor.grad
+    if dense is not None:
+        # A dense step just before this one (a switch from local_updates="dense")
+        # leaves a zeroed .grad (Pyro's zero_grads, zero_grad(set_to_none=False)),
+        # which adds nothing: drop it. Checked in O(N/W) only then: a sparse
+        # step leaves .grad None.
+        if bool(dense.count_nonzero()):
+            raise PyroDistributedError(
+                f"local parameter {name!r} has a dense gradient under "
+                f"local_updates='sparse': read it only through its plate inside "
+                f"shard_subsamples(local_updates='sparse')"
+            )
+        tensor.grad = None
     axis = entry.param.axis % tensor.dim()
     pieces = [(rows, leaf.grad) for rows, leaf in entry.uses if leaf.grad is not None]
     if not pieces:
