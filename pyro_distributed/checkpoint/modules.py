@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..local import registry
+from ..local import registry, sparse
 from ..local.blocks import load_blocks
 from ..optim.torch_optimizer import DistributedTorchOptimizer
 from . import files
@@ -142,6 +142,7 @@ def load(
             pyro_name, constraint = state["local_names"][name]
             record = local[name]
             registry.forget([pyro_name])
+            sparse.forget([pyro_name])  # rows read before the load are not this block's
             registry.register(
                 registry.LocalParam(pyro_name, record.plate, record.size, record.axis),
                 param,

@@ -70,7 +70,10 @@ class shard_subsamples(Messenger):
         before; ``"sparse"`` only the rows selected since the last step, at
         O(batch) cost instead of O(N/W), with the lazy semantics of
         ``torch.optim.SparseAdam`` (:mod:`pyro_distributed.local.sparse`,
-        rules in :mod:`pyro_distributed.optim.sparse_step`).
+        rules in :mod:`pyro_distributed.optim.sparse_step`). Both for the
+        param store (SVI with a Pyro optimizer) and for PyroModules'
+        parameters in ``module_local_params`` mode (an ELBO module with a
+        torch optimizer); it may change from one step to the next.
 
     Example::
 
@@ -83,6 +86,12 @@ class shard_subsamples(Messenger):
 
         with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
             loss = svi.step(data)
+
+    and on the torch-native path (``module_local_params``, an ELBO module)::
+
+        with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
+            loss_fn(data).backward()
+        optimizer.step()  # pd.DistributedOptimizer(torch.optim.Adam(...))
 
     :raises TypeError: when ``local_updates`` is not a string.
     :raises ValueError: when ``local_updates`` is neither ``"dense"`` nor
@@ -123,9 +132,11 @@ class shard_subsamples(Messenger):
         ``local_updates="sparse"`` is lazy: rows outside a step's batch keep
         their values and optimizer state (no moment decay, no momentum, no
         weight decay), and bias correction counts the parameter's steps. It
-        steps Adam, AdamW, ClippedAdam and SGD and refuses other optimizers
-        with a ``ValueError`` at the first step
-        (:mod:`pyro_distributed.optim.sparse_step` states each rule).
+        steps Adam, AdamW, ClippedAdam and SGD (Pyro's or torch's) and
+        refuses other optimizers with a ``ValueError`` at the first step
+        (:mod:`pyro_distributed.optim.sparse_step` states each rule). The
+        gradient of a sparse local parameter lives in the leaves handed to
+        the model, not in the parameter's ``.grad``.
     """
 
     def __init__(
@@ -245,14 +256,9 @@ class shard_subsamples(Messenger):
         else:
             store.create(param, init, constraint, tensor)
         if self.local_updates == "sparse":
-            if tensor is not None:
-                raise ValueError(
-                    f"local parameter {name!r} lives on a PyroModule (module_local_params): "
-                    f"local_updates='sparse' steps parameters of Pyro's param store (the SVI "
-                    f"path); step module parameters with local_updates='dense'"
-                )
-            # The selected rows in a small leaf of their own.
-            msg["value"] = sparse.select_rows(param, indices)
+            # The selected rows in a small leaf of their own, detached from the
+            # block: a backward pass through the call that cut it is fine.
+            msg["value"] = sparse.select_rows(param, indices, tensor, constraint)
             msg["kwargs"] = {**msg["kwargs"], "event_dim": None}
             return
         value = store.select_rows(param, indices, self.own_local_params, tensor, constraint)

@@ -12,34 +12,52 @@ parameter is O(rows selected):
   O(batch) (the dense mode permutes the whole block to pick them).
 * **Forward.** :func:`select_rows` hands the model and guide the constrained
   value of a fresh small leaf tensor, ``leaf = unconstrained[rows]``, and
-  remembers ``(rows, leaf)``. The param store's block tensor is not in the
-  autograd graph, so backward gives it no gradient (its ``.grad`` stays
+  remembers ``(rows, leaf)``. The block tensor (in the param store, or a
+  PyroModule's ``nn.Parameter`` in ``module_local_params`` mode) is not in
+  the autograd graph, so backward gives it no gradient (its ``.grad`` stays
   ``None``) and writes the batch's gradient into the leaf instead.
-* **Gradient.** SVI still finds the block tensor (the value carries it, as
-  Pyro's own plates arrange) and passes it to the optimizer.
-  :func:`take_gradients` turns the recorded leaves into one
-  :class:`RowGradients`: the distinct rows, sorted, and their summed
-  gradient. A row selected twice (several particles, a ``subsample=`` with
-  repeats, two reads of the parameter in one step) gets the sum of its
-  gradients, as the dense gradient would hold.
-* **Step.** :class:`~pyro_distributed.optim.sparse_step.SparseStepper` scales the
-  rows by 1/W, checks them for NaN/Inf and applies the lazy update of
-  :mod:`pyro_distributed.optim.sparse_step` to those rows of the parameter and of
-  its optimizer state, which keeps the dense format (full-block ``exp_avg``
-  and ``exp_avg_sq``, a ``step`` count), so checkpoints, elastic
-  re-partitioning, ``get_state``/``set_state``, :func:`~pyro_distributed.gather_param`
-  and :func:`~pyro_distributed.local_rows` work unchanged.
+* **Gradient.** The optimizer still gets the block tensor: SVI finds it
+  through the value (which carries it, as Pyro's own plates arrange), a torch
+  optimizer holds it in its param groups. :func:`take_gradients` turns the
+  leaves recorded for it into one :class:`RowGradients`: the distinct rows,
+  sorted, and their summed gradient. A row selected twice (several
+  particles, a ``subsample=`` with repeats, two reads of the parameter in
+  one step) gets the sum of its gradients, as the dense gradient would hold.
+* **Step.** :mod:`pyro_distributed.optim.sparse_step` scales the rows by
+  1/W, checks them for NaN/Inf and applies the lazy update to those rows of
+  the parameter and of its optimizer state, which keeps the dense format
+  (full-block ``exp_avg`` and ``exp_avg_sq``, a ``step`` count), so
+  checkpoints, elastic re-partitioning, ``get_state``/``set_state``,
+  ``state_dict``, :func:`~pyro_distributed.gather_param` and
+  :func:`~pyro_distributed.local_rows` work unchanged. Both front ends do
+  this: ``DistributedOptimizer`` over a Pyro optimizer (the SVI path) and
+  over a torch optimizer (the torch-native path).
 
 Global parameters are stepped as always. The default, ``local_updates="dense"``,
-is exactly the behaviour without this module.
+is exactly the behaviour without this module. A run may switch between the
+two from one step to the next; the optimizer state carries over.
 
-Example::
+Example, the SVI path::
 
     optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}))
     svi = SVI(model, guide, optim, Trace_ELBO())
     for step in range(num_steps):
         with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
             svi.step(data)
+
+The torch-native path (an ELBO module, ``module_local_params``)::
+
+    pyro.settings.set(module_local_params=True)
+    guide = AutoNormal(model, create_plates=plates)
+    loss_fn = Trace_ELBO()(model, guide)
+    with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
+        loss_fn(data)  # the warm-up call: creates the parameters, cuts the blocks
+    optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.01))
+    for step in range(num_steps):
+        optimizer.zero_grad()
+        with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
+            loss_fn(data).backward()
+        optimizer.step()
 
 .. warning::
     The sparse step is *lazy*, like ``torch.optim.SparseAdam``: a row that
@@ -52,9 +70,19 @@ Example::
 .. warning::
     Rows are recorded when a local parameter is read with gradients enabled,
     and consumed by the next optimizer step. Read local parameters for a
-    step only inside ``svi.step`` (or before the call to the optimizer that
-    follows); a gradient computed by your own ``backward()`` on them reaches
-    the leaves and is stepped at the next optimizer call.
+    step only inside ``svi.step`` (or between the torch optimizer's steps);
+    a gradient computed by your own ``backward()`` on them reaches the leaves
+    and is stepped at the next optimizer call. The torch optimizer's
+    ``zero_grad()`` drops the leaves' gradients as it drops ``.grad`` (the
+    reads stay recorded, so a loss computed before ``zero_grad()`` and
+    backpropagated after it is stepped).
+
+.. warning::
+    A sparse local parameter's gradient is in its leaves, not in ``.grad``:
+    code that reads or changes ``.grad`` between backward and step (your own
+    ``clip_grad_norm_(loss_fn.parameters(), ...)``, a gradient-norm log)
+    does not see it. Clipping inside the optimizer (Pyro's ``clip_args``,
+    ClippedAdam's ``clip_norm``) does.
 """
 
 from __future__ import annotations
@@ -62,15 +90,15 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-import pyro
 import torch
 from torch import Tensor
-from torch.distributions import transform_to
+from torch.distributions import constraints, transform_to
 
 from ..errors import PyroDistributedError
 from ..internals import attach_unconstrained, param_constraint, stored_unconstrained
+from . import registry
 from .registry import LocalParam
 
 __all__ = [
@@ -78,6 +106,7 @@ __all__ = [
     "LocalUpdates",
     "RowGradients",
     "check_local_updates",
+    "clear_gradients",
     "draw_rows",
     "forget",
     "pending_reads",
@@ -172,7 +201,12 @@ def pending_reads(name: str) -> list[tuple[Tensor, Tensor]]:
     return [] if entry is None else list(entry.uses)
 
 
-def select_rows(param: LocalParam, indices: Tensor) -> Tensor:
+def select_rows(
+    param: LocalParam,
+    indices: Tensor,
+    module_tensor: Tensor | None = None,
+    constraint: Any = None,
+) -> Tensor:
     """The constrained rows ``indices`` (global) of an owned parameter, for a sparse step.
 
     Like :func:`pyro_distributed.local.store.select_rows`, but the rows are
@@ -181,11 +215,18 @@ def select_rows(param: LocalParam, indices: Tensor) -> Tensor:
     gradient recording (``torch.no_grad()``, as in ``Predictive``) nothing is
     recorded. The value still carries the block tensor (``.unconstrained``),
     which is how SVI finds the parameters to hand to the optimizer.
+
+    :param module_tensor: the parameter's unconstrained ``nn.Parameter`` when
+        it lives on a PyroModule (``module_local_params``), with its
+        ``constraint``; otherwise both come from the param store.
     """
-    # Not store[name]: that would constrain every row of the block.
-    unconstrained = stored_unconstrained(param.name)
+    unconstrained = module_tensor
     if unconstrained is None:
-        raise KeyError(f"no parameter named {param.name!r} in the param store")
+        # Not store[name]: that would constrain every row of the block.
+        unconstrained = stored_unconstrained(param.name)
+        if unconstrained is None:
+            raise KeyError(f"no parameter named {param.name!r} in the param store")
+        constraint = param_constraint(param.name)
     rows = (indices - param.rows.start).to(unconstrained.device)
     axis = param.axis % unconstrained.dim()
     selected = unconstrained.detach().index_select(axis, rows)
@@ -195,7 +236,7 @@ def select_rows(param: LocalParam, indices: Tensor) -> Tensor:
         if entry is None or entry.tensor() is not unconstrained:
             entry = _pending[param.name] = _Uses(weakref.ref(unconstrained), param, [])
         entry.uses.append((rows, selected))
-    value: Tensor = transform_to(param_constraint(param.name))(selected)
+    value: Tensor = transform_to(constraint or constraints.real)(selected)
     attach_unconstrained(value, unconstrained)
     return value
 
@@ -222,17 +263,21 @@ class RowGradients:
 def take_gradients(params: list[Tensor]) -> tuple[list[Tensor], list[RowGradients]]:
     """Split ``params`` into (the rest, the row gradients of sparse local parameters).
 
-    Consumes the reads recorded for each parameter. A sparse parameter read
-    without a gradient (its loss term did not depend on it) is left out of
-    both, as the dense optimizer skips a parameter whose ``.grad`` is ``None``.
+    Consumes the reads recorded for each parameter, found by identity: a
+    param-store tensor or a PyroModule's ``nn.Parameter`` alike. A sparse
+    parameter whose reads got no gradient (its loss term did not depend on
+    it, or no backward pass followed) is left out of both, as the dense
+    optimizer skips a parameter whose ``.grad`` is ``None``, unless it has a
+    dense ``.grad`` of its own (a dense step after such a read): then it is
+    in the rest. Reads of parameters not in ``params`` wait for a later call.
     """
     if not _pending:
         return params, []
-    store = pyro.get_param_store()
+    waiting = {id(e.tensor()): name for name, e in _pending.items() if e.tensor() is not None}
     rest: list[Tensor] = []
     sparse: list[RowGradients] = []
     for tensor in params:
-        name = store.param_name(tensor)
+        name = waiting.get(id(tensor))
         entry = _pending.get(name) if name is not None else None
         if name is None or entry is None or entry.tensor() is not tensor:
             rest.append(tensor)
@@ -241,23 +286,50 @@ def take_gradients(params: list[Tensor]) -> tuple[list[Tensor], list[RowGradient
         gradients = _summed(name, tensor, entry)
         if gradients is not None:
             sparse.append(gradients)
+        elif tensor.grad is not None:
+            # Read sparsely without a backward pass through it (a warm-up call,
+            # a logged loss), then stepped densely: the dense step's, as always.
+            rest.append(tensor)
     # Reads of parameters that have since been replaced (a checkpoint load,
     # pyro.clear_param_store()) can never be stepped.
-    for name in [n for n, e in _pending.items() if e.tensor() is not stored_unconstrained(n)]:
+    stale = [n for n, e in _pending.items() if e.tensor() is not registry.unconstrained(n)]
+    for name in stale:
         del _pending[name]
     return rest, sparse
 
 
+def clear_gradients(tensors: Iterable[Tensor]) -> None:
+    """Drop the gradients of the leaves handed out for ``tensors``, as ``zero_grad``
+    drops a dense ``.grad``: a backward pass before it no longer counts.
+
+    The reads themselves stay recorded, so that a loss computed before
+    ``zero_grad()`` and backpropagated after it is stepped, as it is dense.
+    """
+    ids = {id(tensor) for tensor in tensors}
+    for entry in _pending.values():
+        if id(entry.tensor()) in ids:
+            for _, leaf in entry.uses:
+                leaf.grad = None
+
+
 def _summed(name: str, tensor: Tensor, entry: _Uses) -> RowGradients | None:
-    if tensor.grad is not None:
-        raise PyroDistributedError(
-            f"local parameter {name!r} has a dense gradient under local_updates='sparse': "
-            f"read it only through its plate inside shard_subsamples(local_updates='sparse')"
-        )
-    axis = entry.param.axis % tensor.dim()
     pieces = [(rows, leaf.grad) for rows, leaf in entry.uses if leaf.grad is not None]
     if not pieces:
         return None
+    dense = tensor.grad
+    if dense is not None:
+        # A dense step just before this one (a switch from local_updates="dense")
+        # leaves a zeroed .grad (Pyro's zero_grads, zero_grad(set_to_none=False)),
+        # which adds nothing: drop it. Checked in O(N/W) only then: a sparse
+        # step leaves .grad None.
+        if bool(dense.count_nonzero()):
+            raise PyroDistributedError(
+                f"local parameter {name!r} has a dense gradient under "
+                f"local_updates='sparse': read it only through its plate inside "
+                f"shard_subsamples(local_updates='sparse')"
+            )
+        tensor.grad = None
+    axis = entry.param.axis % tensor.dim()
     rows = torch.cat([rows for rows, _ in pieces])
     grads = torch.cat([grad for _, grad in pieces], dim=axis)
     distinct, position = torch.unique(rows, sorted=True, return_inverse=True)

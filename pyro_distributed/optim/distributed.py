@@ -36,7 +36,7 @@ from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .options import EngineBinding, bind_exchange, check_options
 from .schedulers import step_schedulers
-from .sparse_step import SparseStepper
+from .sparse_step import SparseStepper, nonfinite, scale_rows
 from .step_guards import refuse_nonfinite
 from .torch_optimizer import DistributedTorchOptimizer
 
@@ -292,7 +292,7 @@ class DistributedOptimizer(PyroOptim):
         finite = exchanged.finite
         if local or sparse:
             # The sparse rows' finite check joins the same one-element reduction.
-            rows_finite = self._sparse.prepare(sparse, self.engine.world_size)
+            rows_finite = scale_rows(sparse, self.engine.world_size)
             owned = {**local, **{rows.name: rows.tensor for rows in sparse}}
             finite = self._local.prepare(owned, rows_finite) and finite
         stepped = [*exchanged.tensors, *local.values()]
@@ -304,9 +304,7 @@ class DistributedOptimizer(PyroOptim):
         else:
             store = pyro.get_param_store()
             named = [(store.param_name(p) or "?", p) for p in stepped]
-            refuse_nonfinite(
-                named, self.num_steps, self.nonfinite, extra=self._sparse.nonfinite(sparse)
-            )
+            refuse_nonfinite(named, self.num_steps, self.nonfinite, extra=nonfinite(sparse))
         exchanged.release_borrowed()
         if self.check_every and self.num_steps % self.check_every == 0:
             assert_in_sync(self)

@@ -98,12 +98,17 @@ class GroupedStepper:
         # any waiting state exactly as PyroOptim would, and stays in
         # optim_objs; the group steps the parameter, on the same state dict.
         pyro_optim = self._pyro_optim
-        single = single_optimizer(pyro_optim, param)
-        name = pyro.get_param_store().param_name(param)
-        waiting = pop_waiting_state(pyro_optim, name)
-        if waiting is not None:
-            single.load_state_dict(waiting)
-        pyro_optim.optim_objs[param] = single
+        single = pyro_optim.optim_objs.get(param)
+        if single is None:
+            single = single_optimizer(pyro_optim, param)
+            name = pyro.get_param_store().param_name(param)
+            waiting = pop_waiting_state(pyro_optim, name)
+            if waiting is not None:
+                single.load_state_dict(waiting)
+            pyro_optim.optim_objs[param] = single
+        # else: made, and stepped, by the sparse step (local_updates="sparse",
+        # optim.sparse_step) before this parameter's first dense step: its
+        # state (moments, step count) carries over instead of restarting.
         pyro_optim.grad_clip[param] = None  # clip_args are refused
         settings = single.param_groups[0]
         key = _settings_key(settings)

@@ -19,6 +19,12 @@ Parameters are known to the exchange by their position,
 optimizer the same way; workers whose optimizers differ get an error that
 names the positions.
 
+Local parameters owned by their worker (``shard_subsamples(own_local_params=True)``)
+never travel; under ``local_updates="sparse"`` they have no ``.grad`` at all,
+and ``step()`` steps their selected rows in the same call of the wrapped
+optimizer (:mod:`pyro_distributed.optim.sparse_step`, the rules the SVI
+path follows).
+
 Clipping: a gradient clipped between ``backward()`` and ``step()`` is still
 this worker's own gradient. :meth:`~DistributedTorchOptimizer.synchronize`
 averages first, so that clipping acts on the average; a ``step()`` without it
@@ -41,9 +47,11 @@ from ..exchange.compression import Compression, compressor
 from ..exchange.sync import Exchanged, GradientSync
 from ..internals import init_optimizer_hooks
 from ..local.gradients import LocalGradients, split_local
+from ..local.sparse import RowGradients
 from .consistency import assert_in_sync
 from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .options import EngineBinding, bind_exchange, check_options
+from .sparse_step import TorchSparseStepper, nonfinite, scale_rows
 from .step_guards import GradStamps, check_state_fits, refuse_nonfinite
 
 __all__ = ["DistributedTorchOptimizer"]
@@ -86,6 +94,26 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
         this worker's own gradient; to clip the average, call
         :meth:`synchronize` first. A ``step()`` that finds a gradient changed
         since backward without it warns once.
+
+    .. warning::
+        Under ``shard_subsamples(own_local_params=True, local_updates="sparse")``
+        a local parameter's gradient is its selected rows', outside ``.grad``
+        (which stays ``None``): ``clip_grad_norm_`` and other code reading
+        ``.grad`` do not see it. The wrapped optimizer must be Adam, AdamW,
+        SGD or Pyro's ClippedAdam, without the options the lazy rules lack;
+        others are refused by name at the first ``step()``
+        (:mod:`pyro_distributed.optim.sparse_step`).
+
+    Sparse local steps, the same loop::
+
+        with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
+            loss_fn(*first_batch)  # creates the parameters and cuts the blocks
+        optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.01))
+        for batch in loader:
+            optimizer.zero_grad()
+            with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
+                loss_fn(*batch).backward()
+            optimizer.step()
     """
 
     def __init__(
@@ -127,6 +155,8 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
         self._synchronized: _Synchronized | None = None
         self._stamps = GradStamps()
         self._warned_changed = False
+        # Steps the rows of local_updates="sparse" parameters (optim.sparse_step).
+        self._sparse = TorchSparseStepper(optimizer)
         self._binding = EngineBinding(engine)
         if self._binding.bound:
             self._bind()
@@ -196,6 +226,8 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wrapped.zero_grad(set_to_none)
+        # The gradients of rows handed out under local_updates="sparse" too.
+        self._sparse.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
         return self.wrapped.state_dict()
@@ -251,20 +283,23 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
         self.num_steps += 1
         sync = self.sync
         if sync is None:
-            self.wrapped.step()
+            # Sparse local rows (local_updates="sparse") step with the rest.
+            self._sparse.step(self._sparse.take())
             return loss
         synchronized = self._synchronized
         if synchronized is None:
             self._warn_if_changed_since_backward()
             synchronized = self._exchange()
         self._synchronized = None
-        exchanged, finite = synchronized
+        exchanged, finite, sparse = synchronized
         if finite:
             if self._noise is not None and exchanged.tensors:
                 self._noise.observe(*sync.squared_norms())
-            self.wrapped.step()
+            self._sparse.step(sparse)
         else:
-            refuse_nonfinite(self.named_parameters(), self.num_steps, self.nonfinite)
+            refuse_nonfinite(
+                self.named_parameters(), self.num_steps, self.nonfinite, extra=nonfinite(sparse)
+            )
         exchanged.release_borrowed()
         self._stamps.watch(exchanged.tensors)
         if self.check_every and self.num_steps % self.check_every == 0:
@@ -273,16 +308,21 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
 
     def _exchange(self) -> _Synchronized:
         """Average the replicated gradients; scale the local ones (which never
-        travel); return the exchange and whether every gradient is finite."""
+        travel) and the sparse local rows; return the exchange, whether every
+        gradient is finite, and the sparse rows' gradients."""
         sync, local_gradients = self._sync, self._local
         assert sync is not None and local_gradients is not None  # bound by the caller
+        # First: an optimizer without a lazy rule is refused before anything travels.
+        sparse = self._sparse.take()
         replicated, local = split_local(dict(self.named_parameters()))
         exchanged = sync.exchange(replicated, lambda: replicated)
         finite = exchanged.finite
-        if local:
+        if local or sparse:
             check_state_fits(self.wrapped, local)
-            finite = local_gradients.prepare(local) and finite
-        return exchanged, finite
+            # The sparse rows' finite check joins the same one-element reduction.
+            rows_finite = scale_rows(sparse, self.engine.world_size)
+            finite = local_gradients.prepare(local, rows_finite) and finite
+        return exchanged, finite, sparse
 
     def _warn_if_changed_since_backward(self) -> None:
         if self._warned_changed:
@@ -319,4 +359,4 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
         return replicated
 
 
-_Synchronized = tuple[Exchanged, bool]
+_Synchronized = tuple[Exchanged, bool, list[RowGradients]]

@@ -3,16 +3,20 @@
 Every scenario runs on real gloo workers. The reference test checks each
 step against a small implementation of the lazy rules written out here from
 the formulas that ``pyro_distributed.optim.sparse_step`` states, fed the same rows
-and gradients, at W=1, 2 and 3; the others check what must not change:
-plain SGD and full-coverage Adam equal the dense step bitwise, checkpoints
-resume bitwise and re-partition, a NaN on one worker skips the step on all,
-the bytes sent do not grow with N, and misuse is named.
+and gradients, at W=1, 2 and 3, with clipping active (ClippedAdam's clamp and
+``clip_args``' norm); ``test_sparse_torch`` holds the torch-native path to the
+same reference. The others check what must not change: row gradients are the
+dense gradient's rows with vectorised and sequential particles, plain SGD and
+full-coverage Adam equal the dense step bitwise, checkpoints resume bitwise
+and re-partition, a NaN on one worker skips the step on all, the bytes sent
+do not grow with N, and misuse is named.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +37,16 @@ from .test_ownership import BATCH, D, N, data, guide, model
 
 LOCAL = ("z_loc", "z_scale")
 STEPS = 8
+#: Below every local gradient's norm in these runs: clipping is active at every step.
+CLIP_NORM = 1.0
 
 OPTIMIZERS: dict[str, Any] = {
     "adam": lambda: pyro.optim.Adam({"lr": 0.05}),
     "adam-l2": lambda: pyro.optim.Adam({"lr": 0.05, "weight_decay": 0.1}),
     "adamw": lambda: pyro.optim.AdamW({"lr": 0.05, "weight_decay": 0.1}),
     "clipped": lambda: pyro.optim.ClippedAdam({"lr": 0.05, "clip_norm": 0.5, "lrd": 0.99}),
+    # clip_args' clip_norm: torch's clip_grad_norm_ on each parameter's gradient.
+    "adam-clipnorm": lambda: pyro.optim.Adam({"lr": 0.05}, {"clip_norm": CLIP_NORM}),
     "sgd": lambda: pyro.optim.SGD({"lr": 0.002}),
     "momentum": lambda: pyro.optim.SGD({"lr": 0.002, "momentum": 0.9, "nesterov": True}),
 }
@@ -54,6 +62,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "adam-l2": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1},
     "adamw": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "decoupled": True},
     "clipped": {"betas": (0.9, 0.999), "eps": 1e-8, "clip": 0.5, "lrd": 0.99},
+    "adam-clipnorm": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "norm": CLIP_NORM},
     "sgd": {"lr": 0.002, "momentum": 0.0},
     "momentum": {"lr": 0.002, "momentum": 0.9, "nesterov": True},
 }
@@ -94,6 +103,14 @@ def reference_step(
         return torch.where(mask, p.add(g, alpha=-lr), p), {}
     b1, b2 = s["betas"]
     m, v = state.get("exp_avg", zeros), state.get("exp_avg_sq", zeros)
+    if "norm" in s:
+        # clip_grad_norm_ of the gradient's rows R (sorted): the norm of the
+        # norm (one parameter), max_norm / (norm + 1e-6), at most 1. The dense
+        # gradient's norm is the same up to the order of its sum: gradient_facts.
+        rows = mask.squeeze(-1).nonzero().squeeze(-1)
+        norm = torch.linalg.vector_norm(g.index_select(0, rows))
+        total = torch.linalg.vector_norm(norm.reshape(1))
+        g = g * torch.clamp(s["norm"] / (total + 1e-6), max=1.0)
     if kind == "clipped":
         lr = lr * s["lrd"] ** t  # decayed once per step, before the update
         g = g.clamp(-s["clip"], s["clip"])
@@ -121,6 +138,67 @@ def within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(((got - want).abs() <= ulp).all())
 
 
+@dataclass
+class Before:
+    """A sparse parameter just before a step: what the reference needs, and what was seen."""
+
+    value: torch.Tensor
+    state: dict[str, torch.Tensor]
+    grad: torch.Tensor  # the dense gradient the leaves stand for, times 1/W
+    mask: torch.Tensor  # the rows R
+    reads: int  # rows read, with repeats
+    distinct: int
+
+
+def before_step(name: str, p: torch.Tensor, state: Any) -> Before:
+    """Record ``p`` (local parameter ``name``, optimizer state ``state``) before a step."""
+    uses = [
+        (rows, leaf) for rows, leaf in sparse_local.pending_reads(name) if leaf.grad is not None
+    ]
+    rows = torch.cat([r for r, _ in uses])
+    # Summed by index_put here, by index_add in the library.
+    g = torch.zeros_like(p).index_put_(
+        (rows,), torch.cat([leaf.grad for _, leaf in uses]), accumulate=True
+    ) * (1.0 / pd.world_size())
+    mask = torch.zeros(len(p), 1, dtype=torch.bool)
+    mask[rows] = True
+    kept = {k: v.clone() for k, v in (state or {}).items() if torch.is_tensor(v)}
+    distinct = len(torch.unique(rows))
+    return Before(p.detach().clone(), kept, g, mask, len(rows), distinct)
+
+
+def check_step(kind: str, t: int, where: str, before: Before, p: torch.Tensor, state: Any) -> None:
+    """The step just made on ``p`` is the stated rule, within 1 ulp; rows outside R keep bits."""
+    assert p.grad is None, "no dense gradient exists in sparse mode"
+    p0, state0, mask = before.value, before.state, before.mask
+    want_p, want_state = reference_step(kind, t, p0, state0, before.grad, mask, state)
+    assert within_one_ulp(p.detach(), want_p), f"{where} {kind} step {t}"
+    untouched = ~mask.expand_as(p0)
+    assert torch.equal(p.detach()[untouched], p0[untouched]), "rows outside R keep bits"
+    for key, want in want_state.items():
+        assert within_one_ulp(state[key], want), f"{where} {kind} {key} step {t}"
+        if key in state0:
+            assert torch.equal(state[key][untouched], state0[key][untouched])
+    assert int(state.get("step", t)) == t, "the step count is global"
+
+
+def gradient_facts(seen: dict[str, Any], before: Before) -> None:
+    """Accumulate what the test asserts about the gradients the steps saw."""
+    g, rows = before.grad, before.mask.squeeze(-1).nonzero().squeeze(-1)
+    # The norm clip_args' clip_norm sees (the rows) and the dense gradient's.
+    dense_norm = torch.linalg.vector_norm(g)
+    rows_norm = torch.linalg.vector_norm(g.index_select(0, rows))
+    ulp = float(torch.nextafter(dense_norm, torch.tensor(math.inf)) - dense_norm)
+    apart = abs(float(rows_norm) - float(dense_norm)) / ulp
+    seen["norm_ulps"] = max(seen.get("norm_ulps", 0.0), apart)
+    seen["norms"] = seen.get("norms", 0) + 1
+    seen["norms_bitwise"] = seen.get("norms_bitwise", 0) + int(apart == 0)
+    seen["min_norm"] = min(seen.get("min_norm", math.inf), float(dense_norm))
+    seen["max_abs"] = max(seen.get("max_abs", 0.0), float(g.abs().max()))
+    seen["repeats"] = seen.get("repeats", 0) + before.reads - before.distinct
+    seen["rows"] = max(seen.get("rows", 0), before.reads)
+
+
 def checked_against_reference(kinds: list[str]) -> dict[str, Any]:
     """Train each optimizer ``kinds`` sparsely, checking every step; return what was seen."""
     seen: dict[str, Any] = {}
@@ -130,7 +208,7 @@ def checked_against_reference(kinds: list[str]) -> dict[str, Any]:
         x = data()
         optim = pd.DistributedOptimizer(OPTIMIZERS[kind]())
         elbo = Trace_ELBO(num_particles=2)  # two draws per step: rows may repeat
-        repeats, max_rows = 0, 0
+        seen[kind] = {}
         for t in range(1, STEPS + 1):
             with (
                 pd.shard_subsamples(own_local_params=True, local_updates="sparse"),
@@ -141,54 +219,100 @@ def checked_against_reference(kinds: list[str]) -> dict[str, Any]:
             before = {}
             for name in LOCAL:
                 p = stored_unconstrained(name)
-                uses = sparse_local.pending_reads(name)
-                rows = torch.cat([r for r, _ in uses])
-                repeats += len(rows) - len(torch.unique(rows))
-                max_rows = max(max_rows, len(rows))
-                # The dense gradient that the leaves stand for, summed by index_put.
-                g = torch.zeros_like(p).index_put_(
-                    (rows,), torch.cat([leaf.grad for _, leaf in uses]), accumulate=True
-                ) * (1.0 / pd.world_size())
-                mask = torch.zeros(len(p), 1, dtype=torch.bool)
-                mask[rows] = True
                 held = optim.optim_objs.get(p)
-                state = (
-                    {k: v.clone() for k, v in held.state[p].items() if torch.is_tensor(v)}
-                    if held
-                    else {}
-                )
-                before[name] = (p.detach().clone(), state, g, mask)
+                before[name] = before_step(name, p, held.state[p] if held else None)
+                gradient_facts(seen[kind], before[name])
             optim(params)
             pyro.infer.util.zero_grads(params)
-            for name, (p0, state0, g, mask) in before.items():
+            for name, recorded in before.items():
                 p = stored_unconstrained(name)
-                assert p.grad is None, "no dense gradient exists in sparse mode"
-                state = optim.optim_objs[p].state[p]
-                want_p, want_state = reference_step(kind, t, p0, state0, g, mask, state)
-                assert within_one_ulp(p.detach(), want_p), f"{kind} {name} step {t}"
-                untouched = ~mask.expand_as(p0)
-                assert torch.equal(p.detach()[untouched], p0[untouched]), "rows outside R keep bits"
-                for key, want in want_state.items():
-                    assert within_one_ulp(state[key], want), f"{kind} {name} {key} step {t}"
-                    if key in state0:
-                        assert torch.equal(state[key][untouched], state0[key][untouched])
-                assert int(state.get("step", t)) == t, "the step count is global"
-        seen[kind] = {"repeats": repeats, "rows": max_rows}
+                check_step(kind, t, name, recorded, p, optim.optim_objs[p].state[p])
     return seen
+
+
+def assert_reference_facts(results: list[dict[str, Any]], kinds: Any) -> None:
+    """What every reference run must have seen, so that each rule was exercised."""
+    for result in results:
+        assert set(result) == set(kinds)
+        assert result["adam"]["rows"] == 2 * BATCH
+        # ClippedAdam's clip_norm clamps elements: some were beyond it.
+        assert result["clipped"]["max_abs"] > SETTINGS["clipped"]["clip"]
+        for facts in result.values():
+            # The norm of the rows is the dense gradient's, up to the order of
+            # the sum (these runs: at most 2 ulps; bitwise in about 70% of steps).
+            assert facts["norm_ulps"] <= 4, facts
+            assert facts["norms_bitwise"] > 0
+    # Two particles drew some row twice in a step somewhere: duplicates were summed.
+    assert any(r["adam"]["repeats"] > 0 for r in results)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_each_step_is_the_stated_lazy_rule_within_one_ulp(workers: int) -> None:
     results = run_workers(checked_against_reference, list(OPTIMIZERS), world_size=workers)
+    assert_reference_facts(results, OPTIMIZERS)
     for result in results:
-        assert set(result) == set(OPTIMIZERS)
-        assert result["adam"]["rows"] == 2 * BATCH
-    # Two particles drew some row twice in a step somewhere: duplicates were summed.
-    assert any(r["adam"]["repeats"] > 0 for r in results)
+        # clip_args' clip_norm scaled every step's gradient down.
+        assert result["adam-clipnorm"]["min_norm"] > CLIP_NORM
 
 
 # ---------------------------------------------------------------------------
 # Where sparse and dense must agree bitwise.
+
+#: (num_particles, vectorize_particles) of the gradient comparison.
+PARTICLES = ((4, True), (4, False), (1, False))
+
+
+def row_gradients(mode: str) -> dict[str, Any]:
+    """The local parameters' gradient of one ELBO evaluation per particle setting,
+    as a block: ``.grad`` (dense), or the row gradients the sparse step would
+    take, written into a zero block."""
+    seen: dict[str, Any] = {}
+    for particles, vectorize in PARTICLES:
+        pyro.clear_param_store()
+        pd.set_rng_seed(0)
+        elbo = Trace_ELBO(
+            num_particles=particles, vectorize_particles=vectorize, max_plate_nesting=1
+        )
+        with pd.shard_subsamples(own_local_params=True, local_updates=mode):
+            elbo.loss_and_grads(model, guide, data())
+        for name in LOCAL:
+            p = stored_unconstrained(name)
+            key = f"{name}, {particles} particles{', vectorised' if vectorize else ''}"
+            if mode == "dense":
+                seen[key] = p.grad.clone()
+                continue
+            assert p.grad is None
+            reads = sum(len(rows) for rows, _ in sparse_local.pending_reads(name))
+            _, (rows,) = sparse_local.take_gradients([p])
+            block = torch.zeros_like(p).index_copy_(rows.axis, rows.rows, rows.grad)
+            seen[key] = {"block": block, "rows": rows.rows, "reads": reads}
+    return seen
+
+
+def test_row_gradients_are_the_dense_gradients_rows_with_particles() -> None:
+    """Vectorised particles (one read inside the particle plate, broadcast) and
+    sequential ones (one read per particle, rows may repeat) give each selected
+    row bitwise the dense gradient's row, and no other row has a gradient."""
+    dense = run_workers(row_gradients, "dense")
+    sparse = run_workers(row_gradients, "sparse")
+    for mine, reference in zip(sparse, dense, strict=True):
+        assert mine.keys() == reference.keys()
+        for key, want in reference.items():
+            got = mine[key]
+            assert torch.equal(got["block"], want), key
+            outside = torch.ones(len(want), dtype=torch.bool)
+            outside[got["rows"]] = False
+            assert not want[outside].any(), f"{key}: the dense gradient is zero off the rows"
+            particles = int(key.split(", ")[1].split()[0])
+            vectorised = "vectorised" in key
+            assert got["reads"] == BATCH * (1 if vectorised else particles), key
+    # Sequential particles drew some row twice: it got the sum, as dense.
+    assert any(
+        len(w["rows"]) < w["reads"]
+        for r in sparse
+        for k, w in r.items()
+        if k.endswith("4 particles")
+    )
 
 
 def plates(x: torch.Tensor) -> pyro.plate:

@@ -14,6 +14,7 @@ from pyro.infer.autoguide import AutoNormal
 import pyro_distributed as pd
 
 from ..harness import run_workers
+from ..local import test_ownership as ownership
 from ..models import bayesian_regression, param_values, regression_data
 
 OPTIMIZERS: dict[str, Callable[[], pyro.optim.PyroOptim]] = {
@@ -165,3 +166,54 @@ def test_refused_where_it_cannot_be_exact() -> None:
             pyro.optim.ClippedAdam({"lr": 0.1}), engine="local", multi_tensor=True
         )
     pd.shutdown()
+
+
+# -- switching a local parameter between sparse and dense steps mid-run
+
+MODES = ("sparse", "sparse", "sparse", "dense", "dense", "sparse", "sparse", "dense")
+
+
+def switching_modes(multi_tensor: bool | None) -> dict[str, Any]:
+    """One run whose local parameters alternate between sparse and dense steps."""
+    pd.set_rng_seed(0)
+    x = ownership.data()
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.05}), multi_tensor=multi_tensor)
+    svi = SVI(ownership.model, ownership.guide, optim, Trace_ELBO())
+    counts = []
+    for mode in MODES:
+        with pd.shard_subsamples(own_local_params=True, local_updates=mode):
+            svi.step(x)
+        store = pyro.get_param_store()
+        counts.append(
+            {
+                name: int(optim.optim_objs[p].state[p]["step"])
+                for name, p in store.named_parameters()
+            }
+        )
+    return {
+        "grouped": optim.grouped,
+        "params": param_values(),
+        "state": optim.get_state(),
+        "counts": counts,
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_switching_sparse_and_dense_keeps_each_parameters_state_when_grouped(
+    world_size: int,
+) -> None:
+    """A switch in either direction keeps Adam's moments and step count: the
+    grouped run equals one optimizer per parameter bitwise, and every count
+    is the number of steps so far."""
+    grouped = run_workers(switching_modes, None, world_size=world_size)
+    single = run_workers(switching_modes, False, world_size=world_size)
+    for mine, reference in zip(grouped, single, strict=True):
+        assert mine["grouped"] and not reference["grouped"]
+        for t, counts in enumerate(mine["counts"], start=1):
+            assert set(counts.values()) == {t}, (t, MODES[t - 1], counts)
+        assert mine["counts"] == reference["counts"]
+        for name, value in reference["params"].items():
+            assert torch.equal(mine["params"][name], value), name
+        for name, state in reference["state"].items():
+            for key, tensor in state["state"][0].items():
+                assert torch.equal(mine["state"][name]["state"][0][key], tensor), (name, key)
