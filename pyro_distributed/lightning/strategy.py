@@ -20,8 +20,8 @@ it changes is what DDP does with gradients and data:
 * Loaders get this library's samplers (:mod:`pyro_distributed.lightning.data`).
 * ``self.log(..., sync_dist=True)``, ``reduce``, ``broadcast``, ``all_gather``
   and ``barrier`` run on the engine, and so does ``EarlyStopping``'s decision.
-* ``trainer.predict`` returns every worker's predictions, in the data's
-  order, on worker 0.
+  ``trainer.predict`` returns every worker's predictions, in the data's
+  order, on worker 0 (:mod:`pyro_distributed.lightning.collectives`).
 * Checkpoints are complete: every worker's RNG states, and local
   parameters as one block file per worker beside Lightning's file, written all
   or nothing (:mod:`pyro_distributed.lightning.checkpoints`).
@@ -32,9 +32,8 @@ it changes is what DDP does with gradients and data:
 from __future__ import annotations
 
 import atexit
-import sys
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -52,9 +51,8 @@ from ..data.shards import ShardSampler
 from ..data.subsample import shard_subsamples
 from ..engines import ENGINE_NAMES, Engine
 from ..errors import PyroDistributedError
-from ..local.gradients import split_local
 from ..optim.torch_optimizer import DistributedTorchOptimizer
-from . import checkpoints, internals
+from . import checkpoints, collectives, internals
 from .data import EvaluationSampler, is_plain_sampler
 
 __all__ = ["PyroDistributedStrategy"]
@@ -62,7 +60,6 @@ __all__ = ["PyroDistributedStrategy"]
 # Engines whose launcher (horovodrun, mpiexec) starts every worker and that
 # need no torch process group.
 _OWN_WORKERS = ("horovod", "mpi")
-_REDUCE_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 
 
 class PyroDistributedStrategy(DDPStrategy):
@@ -222,7 +219,7 @@ class PyroDistributedStrategy(DDPStrategy):
         super().setup_distributed()
         self._engine = runtime.init(self._engine_name)
         self._check_world_size()
-        atexit.register(_leave_together, self._engine)
+        atexit.register(collectives.leave_together, self._engine)
 
     def _check_devices(self, workers: int) -> None:
         """Refuse Trainer arguments that count other workers than the outside launcher started."""
@@ -251,7 +248,7 @@ class PyroDistributedStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._broadcast_module(self.model)
+        collectives.broadcast_module(self.engine, self.model)
         internals.disable_sampler_injection(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -262,17 +259,6 @@ class PyroDistributedStrategy(DDPStrategy):
 
     def configure_ddp(self) -> None:
         """Nothing to wrap: gradients are averaged by the optimizers."""
-
-    def _broadcast_module(self, module: torch.nn.Module) -> None:
-        """Worker 0's parameters and buffers on every worker (those that exist
-        yet; a lazily built guide's are broadcast at their first step). Local
-        parameters keep each worker's own rows."""
-        named = module.state_dict(keep_vars=True)
-        replicated, _ = split_local({n: t for n, t in named.items() if isinstance(t, Tensor)})
-        tensors = [tensor.detach() for tensor in replicated.values()]
-        if tensors and self.engine.world_size > 1:
-            with torch.no_grad():
-                self.engine.broadcast_(tensors, src=0)
 
     def setup_optimizers(self, trainer: Any) -> None:
         """``configure_optimizers``' optimizers, each wrapped to average gradients."""
@@ -326,78 +312,35 @@ class PyroDistributedStrategy(DDPStrategy):
             sampler = EvaluationSampler(dataset)  # type: ignore[arg-type]
         return internals.with_sampler(dataloader, sampler, stage)
 
-    # -- collectives on the engine
+    # -- collectives on the engine: lightning/collectives.py
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """``tensor`` reduced across workers (``"mean"``, ``"sum"``, ``"max"``,
         ``"min"``); anything but a tensor is returned as it is."""
         if not isinstance(tensor, Tensor):
             return tensor
-        if group is not None:
-            raise ValueError("PyroDistributedStrategy.reduce works on all workers; pass group=None")
-        op = _reduce_op(reduce_op)
-        with torch.inference_mode(False):  # Lightning evaluates in inference mode
-            return self._reduced(tensor, op)
-
-    def _reduced(self, tensor: Tensor, op: str) -> Tensor:
-        result = tensor.detach().clone()
-        if op == "mean" and not result.is_floating_point():
-            result = result.double()
-        if op == "min":
-            result.neg_()
-            self.engine.allreduce_([result], op="max")
-            return result.neg_()
-        self.engine.allreduce_([result], op=op)  # type: ignore[arg-type]
-        return result
+        return collectives.reduce(self.engine, tensor, group, reduce_op)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Worker ``src``'s ``obj`` (picklable) on every worker."""
-        if self._engine is None or self._engine.world_size == 1:
-            return obj
-        with torch.inference_mode(False):
-            return self._engine.allgather_object(obj)[src]
+        return collectives.broadcast(self._engine, obj, src)
 
     def all_gather(
         self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False
     ) -> Tensor:
         """Every worker's ``tensor``, stacked along a new first dimension."""
-        if group is not None or sync_grads:
-            raise ValueError(
-                "PyroDistributedStrategy.all_gather gathers values from all workers; "
-                "group= and sync_grads=True are not supported"
-            )
-        with torch.inference_mode(False):
-            pieces = self.engine.allgather_object(tensor.detach().cpu())
-            return torch.stack(pieces).to(tensor.device)
+        return collectives.all_gather(self.engine, tensor, group, sync_grads)
 
     def barrier(self, name: str | None = None) -> None:
-        if self._engine is not None:
-            self._engine.barrier()
-
-    # -- prediction: gathered in order on worker 0
+        collectives.barrier(self._engine)
 
     def on_predict_end(self) -> None:
-        """Put every worker's predictions, in the data's order, on worker 0.
-
-        Each worker predicted its own contiguous block, so the blocks in rank
-        order are the data in its order. Other workers keep an empty list.
-        """
+        """Put every worker's predictions, in the data's order, on worker 0
+        (:func:`collectives.gather_predictions`); other workers keep an empty list."""
         super().on_predict_end()
         trainer = self.lightning_module.trainer if self.lightning_module else None
-        if trainer is None or self.engine.world_size == 1:
-            return
-        loop = trainer.predict_loop
-        predictions = loop.predictions  # the very list that trainer.predict returns
-        with torch.inference_mode(False):  # trainer.predict runs in inference mode
-            pieces = self.engine.allgather_object(predictions)
-        if self.engine.rank != 0:
-            predictions.clear()
-        elif loop.num_dataloaders == 1:
-            predictions[:] = [p for piece in pieces for p in piece]
-        else:
-            predictions[:] = [
-                [p for piece in pieces for p in piece[loader]] for loader in range(len(predictions))
-            ]
+        if trainer is not None:
+            collectives.gather_predictions(self.engine, trainer.predict_loop)
 
     # -- checkpoints, local blocks included: lightning/checkpoints.py
 
@@ -443,33 +386,6 @@ class PyroDistributedStrategy(DDPStrategy):
             cls,
             description="data-parallel training with pyro_distributed's optimizers, no DDP wrapper",
         )
-
-
-def _leave_together(engine: Engine) -> None:
-    """At exit, meet once more and tear Lightning's process group down.
-
-    Lightning leaves its group to the interpreter's exit. A gloo group torn
-    down while a peer's is still open can abort the slower process
-    ("terminate called without an active exception"), so every worker waits
-    for the others (bounded by the engine's time-out) before destroying it.
-    """
-    if not torch.distributed.is_initialized():
-        return
-    if not hasattr(sys, "last_value"):  # after an uncaught exception, leave at once
-        with suppress(PyroDistributedError):
-            engine.barrier()
-    torch.distributed.destroy_process_group()
-
-
-def _reduce_op(reduce_op: Any) -> str:
-    name = "mean" if reduce_op is None else str(getattr(reduce_op, "name", reduce_op)).lower()
-    name = name.removeprefix("reduceop.")
-    if name not in _REDUCE_OPS:
-        raise ValueError(
-            f"PyroDistributedStrategy.reduce: reduce_op {reduce_op!r} is not one of "
-            f"{', '.join(sorted(_REDUCE_OPS))}"
-        )
-    return _REDUCE_OPS[name]
 
 
 if PyroDistributedStrategy.strategy_name not in StrategyRegistry:

@@ -34,7 +34,7 @@ from ..local.gradients import LocalGradients, split_local
 from .consistency import assert_in_sync
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .noise_scale import NoiseScale, NoiseScaleEstimator
-from .options import EngineBinding, bind_exchange, check_options
+from .options import BindsAtFirstStep, EngineBinding, bind_exchange, check_options
 from .schedulers import step_schedulers
 from .sparse_step import SparseStepper, nonfinite, scale_rows
 from .step_guards import refuse_nonfinite
@@ -43,7 +43,7 @@ from .torch_optimizer import DistributedTorchOptimizer
 __all__ = ["DistributedOptimizer"]
 
 
-class DistributedOptimizer(PyroOptim):
+class DistributedOptimizer(BindsAtFirstStep, PyroOptim):
     """Wrap a :class:`~pyro.optim.PyroOptim` for data-parallel SVI.
 
     Each worker runs the same model and guide on its own data; every call
@@ -230,15 +230,6 @@ class DistributedOptimizer(PyroOptim):
         self._binding = EngineBinding(engine)
         if self._binding.bound:
             self._bind()
-
-    @property
-    def engine(self) -> Engine:
-        """The engine this optimizer averages on, chosen at its first step
-        (:class:`~pyro_distributed.optim.options.EngineBinding`)."""
-        engine = self._binding.engine()
-        if self._local is None:
-            self._bind()
-        return engine
 
     def _bind(self) -> None:
         self._noise, self._sync, self._local = bind_exchange(

@@ -8,8 +8,10 @@ they share, so that the two cannot drift apart.
 Binding: an optimizer is often built before the processes that will train it
 have met (scvi-tools builds its Pyro optimizer before Lightning creates the
 process group). So an optimizer does not choose its engine when it is built
-but at its first step (:class:`EngineBinding`): by then the launcher's or the
-host framework's process group exists and ``engine="auto"`` adopts it. An
+but at its first step (:class:`EngineBinding`; :class:`BindsAtFirstStep`
+gives both front ends the ``engine`` property that binds): by then the
+launcher's or the host framework's process group exists and
+``engine="auto"`` adopts it. An
 optimizer already bound to one worker re-checks at every step that no larger
 group has appeared since, and refuses to go on if one has: averaging over one
 worker while others exist would train W independent replicas, silently.
@@ -17,6 +19,7 @@ worker while others exist would train W independent replicas, silently.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 from .. import runtime
@@ -28,7 +31,7 @@ from ..exchange.sync import GradientSync
 from ..local.gradients import LocalGradients
 from .noise_scale import NoiseScaleEstimator
 
-__all__ = ["EngineBinding", "bind_exchange", "check_options", "make_sync"]
+__all__ = ["BindsAtFirstStep", "EngineBinding", "bind_exchange", "check_options", "make_sync"]
 
 
 def check_options(bucket_cap_mb: Any, nonfinite: Any, check_every: Any, overlap: Any) -> None:
@@ -93,6 +96,35 @@ class EngineBinding:
                     f"pd.init('local')) before the process group exists."
                 )
         return self._engine
+
+
+class BindsAtFirstStep(ABC):
+    """What both front ends share about binding: the :attr:`engine`, bound when first read.
+
+    A front end sets ``_binding`` (an :class:`EngineBinding`) and
+    ``_local = None`` in its constructor, and builds what depends on the
+    engine (its exchange, with :func:`bind_exchange`) in :meth:`_bind`, which
+    sets ``_local``. Reading :attr:`engine` (every step does) binds once and
+    then only re-checks the binding. It holds no state and defines no
+    ``__init__``, so a front end that is a ``torch.optim.Optimizer`` still
+    never runs ``Optimizer.__init__``.
+    """
+
+    _binding: EngineBinding
+    _local: LocalGradients | None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine this optimizer averages on, chosen at its first step
+        (:class:`~pyro_distributed.optim.options.EngineBinding`)."""
+        engine = self._binding.engine()
+        if self._local is None:
+            self._bind()
+        return engine
+
+    @abstractmethod
+    def _bind(self) -> None:
+        """Build what depends on the bound engine, and set ``_local``."""
 
 
 def make_sync(

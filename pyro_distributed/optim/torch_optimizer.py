@@ -50,7 +50,7 @@ from ..local.gradients import LocalGradients, split_local
 from ..local.sparse import RowGradients
 from .consistency import assert_in_sync
 from .noise_scale import NoiseScale, NoiseScaleEstimator
-from .options import EngineBinding, bind_exchange, check_options
+from .options import BindsAtFirstStep, EngineBinding, bind_exchange, check_options
 from .sparse_step import TorchSparseStepper, nonfinite, scale_rows
 from .step_guards import GradStamps, check_state_fits, refuse_nonfinite
 
@@ -59,7 +59,7 @@ __all__ = ["DistributedTorchOptimizer"]
 Closure = Callable[[], Any]
 
 
-class DistributedTorchOptimizer(torch.optim.Optimizer):
+class DistributedTorchOptimizer(BindsAtFirstStep, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose ``step()`` averages gradients across workers.
 
     Made by :class:`~pyro_distributed.DistributedOptimizer` when it is given a
@@ -165,15 +165,6 @@ class DistributedTorchOptimizer(torch.optim.Optimizer):
         init_optimizer_hooks(self)
 
     # -- the engine, chosen at the first step
-
-    @property
-    def engine(self) -> Engine:
-        """The engine this optimizer averages on, chosen at its first step
-        (:class:`~pyro_distributed.optim.options.EngineBinding`)."""
-        engine = self._binding.engine()
-        if self._local is None:
-            self._bind()
-        return engine
 
     @property
     def sync(self) -> GradientSync | None:

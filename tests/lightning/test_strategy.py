@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ..harness import free_port
-from .scripts.fit_regression import N_VAL, SIGMA, N, make_data
+from .scripts.fit_regression import N_TEST, N_VAL, SIGMA, N, make_data
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fit_regression.py"
@@ -117,6 +117,11 @@ def test_automatic_optimization_on_lightnings_launcher(tmp_path: Path) -> None:
     assert not first & second and first | second == set(range(N_VAL))
     assert all(r["metrics"]["val_rows"] == N_VAL for r in records)
     assert records[0]["metrics"]["train_loss"] == records[1]["metrics"]["train_loss"]
+    # Testing too: the rows split between both workers, each once; the logged sum is global.
+    first, second = (r["test_seen"] for r in records)
+    assert first and second
+    assert sorted(first + second) == list(range(N_TEST))
+    assert all(r["test_metrics"]["test_rows"] == N_TEST for r in records)
     # Collectives on the engine; predictions in the data's order on worker 0.
     assert [r["reduce_sum"] for r in records] == [3.0, 3.0]
     assert [r["reduce_min"] for r in records] == [1.0, 1.0]

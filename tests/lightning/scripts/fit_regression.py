@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import pyro_distributed as pd
 from pyro_distributed.lightning import IndexedDataset, PyroDistributedStrategy
 
-N, N_VAL, TRUE_W, SIGMA = 1000, 101, (2.0, -1.0, 0.5), 0.3
+N, N_VAL, N_TEST, TRUE_W, SIGMA = 1000, 101, 57, (2.0, -1.0, 0.5), 0.3
 
 
 def make_data(n: int, seed: int) -> TensorDataset:
@@ -90,13 +90,14 @@ def snapshot(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
 
 
 class Recorder(pl.LightningModule):
-    """What both plans share: validation, prediction, and a record of what each
-    worker saw."""
+    """What both plans share: validation, testing, prediction, and a record of
+    what each worker saw."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[int] = []
         self.val_seen: list[int] = []
+        self.test_seen: list[int] = []
 
     def on_train_start(self) -> None:
         if self.trainer.ckpt_path is None:  # a resumed run has its RNG states back
@@ -115,6 +116,11 @@ class Recorder(pl.LightningModule):
         indices = batch[0]
         self.val_seen.extend(indices.tolist())
         self.log("val_rows", float(len(indices)), reduce_fx="sum", sync_dist=True, on_epoch=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        indices = batch[0]
+        self.test_seen.extend(indices.tolist())
+        self.log("test_rows", float(len(indices)), reduce_fx="sum", sync_dist=True)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return batch[0]  # the indices: their order is the order of the results
@@ -240,6 +246,7 @@ def main() -> None:
     pyro.set_rng_seed(0)  # the same initial values in every process
     pyro.clear_param_store()
     train, val = IndexedDataset(make_data(N, 0)), IndexedDataset(make_data(N_VAL, 1))
+    test = IndexedDataset(make_data(N_TEST, 2))
     plan: Recorder
     built_alone = None
     if args.plan == "auto":
@@ -331,6 +338,9 @@ def main() -> None:
         record["reduce_sum"] = float(strategy.reduce(mine, reduce_op="sum"))
         record["reduce_min"] = float(strategy.reduce(mine, reduce_op="min"))
         record["broadcast"] = strategy.broadcast(f"from {rank}", src=1)
+        (tested,) = trainer.test(plan, DataLoader(test, batch_size=16), verbose=False)
+        record["test_seen"] = plan.test_seen
+        record["test_metrics"] = {k: float(v) for k, v in tested.items()}
         predictions = trainer.predict(plan, DataLoader(val, batch_size=16))
         record["predictions"] = torch.cat(predictions).tolist() if predictions else []
     args.out.mkdir(parents=True, exist_ok=True)
