@@ -8,10 +8,13 @@ library's optimizer, not by DDP, and each worker reads its own share of rows.
 
 ``--local`` adds a per-data-point latent offset ``z_i`` whose variational
 parameters live only on the worker that owns row i
-(``own_local_params=True``): each worker stores N/W of them.
+(``own_local_params=True``): each worker stores N/W of them. ``--sparse``
+steps only the rows of each batch (``local_updates="sparse"``): O(batch) a
+step instead of O(N/W).
 
     python examples/svi_lightning.py --devices 2
     python examples/svi_lightning.py --devices 2 --local
+    python examples/svi_lightning.py --devices 2 --local --sparse
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=100, help="rows per worker per step")
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--local", action="store_true", help="add a per-row latent variable")
+    parser.add_argument(
+        "--sparse", action="store_true", help="with --local: step only each batch's rows"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -102,7 +108,9 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=PyroDistributedStrategy(own_local_params=args.local),
+        strategy=PyroDistributedStrategy(
+            own_local_params=args.local, local_updates="sparse" if args.sparse else "dense"
+        ),
         max_epochs=args.epochs,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -114,7 +122,14 @@ def main() -> None:
     w = guide.locs.w.detach()
     if args.local:
         rows = len(guide.locs.z)
-        print(f"worker {pd.rank()}: holds {rows} of {args.size} rows of z's parameters")
+        # A sparse step hands the batch's rows out as a small tensor of their
+        # own: the block's own .grad is never filled.
+        dense_gradient = guide.locs.z_unconstrained.grad is not None
+        stepped = "all its rows" if dense_gradient else "only each batch's rows"
+        print(
+            f"worker {pd.rank()}: holds {rows} of {args.size} rows of z's parameters, "
+            f"stepped {stepped}"
+        )
     if trainer.is_global_zero:
         print(f"trained on {trainer.world_size} worker(s)")
         print(f"weights: [{', '.join(f'{v:.3f}' for v in w.tolist())}]")

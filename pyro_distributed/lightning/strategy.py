@@ -51,6 +51,7 @@ from ..data.shards import ShardSampler
 from ..data.subsample import shard_subsamples
 from ..engines import ENGINE_NAMES, Engine
 from ..errors import PyroDistributedError
+from ..local.sparse import check_local_updates
 from ..optim.torch_optimizer import DistributedTorchOptimizer
 from . import checkpoints, collectives, internals
 from .data import EvaluationSampler, is_plain_sampler
@@ -75,6 +76,10 @@ class PyroDistributedStrategy(DDPStrategy):
     :param own_local_params: keep each per-data-point parameter's rows only
         on the worker that owns them (README, "Local parameters owned by
         their worker"); the training loader then gives each worker its block.
+    :param local_updates: with ``own_local_params=True``, ``"dense"``
+        (default) steps every owned row each step; ``"sparse"`` only the
+        rows of the step's batch, at O(batch) a step, with the lazy rules of
+        ``torch.optim.SparseAdam`` (README, "Sparse local steps").
     :param shuffle: whether the training loader's order changes each epoch.
     :param seed: the seed of the shared order.
     :param optimizer_options: keyword arguments for every
@@ -138,6 +143,7 @@ class PyroDistributedStrategy(DDPStrategy):
         *,
         engine: str = "auto",
         own_local_params: bool = False,
+        local_updates: str = "dense",
         shuffle: bool = True,
         seed: int = 0,
         optimizer_options: Mapping[str, Any] | None = None,
@@ -156,6 +162,9 @@ class PyroDistributedStrategy(DDPStrategy):
                 f"'horovod' or 'mpi'"
             )
         check_bool("own_local_params", own_local_params)
+        self.local_updates = check_local_updates(
+            local_updates, own_local_params, "PyroDistributedStrategy"
+        )
         check_bool("shuffle", shuffle)
         options = dict(optimizer_options or {})
         if "engine" in options:
@@ -280,7 +289,9 @@ class PyroDistributedStrategy(DDPStrategy):
     @contextmanager
     def _sharded(self) -> Iterator[None]:
         with shard_subsamples(
-            by_block=self.own_local_params, own_local_params=self.own_local_params
+            by_block=self.own_local_params,
+            own_local_params=self.own_local_params,
+            local_updates=self.local_updates,
         ):
             yield
 

@@ -119,8 +119,11 @@ LocalUpdates = Literal["dense", "sparse"]
 LOCAL_UPDATES: tuple[str, ...] = ("dense", "sparse")
 
 
-def check_local_updates(local_updates: object, own_local_params: bool) -> LocalUpdates:
-    """``local_updates`` if it is valid with ``own_local_params``; else an error naming it.
+def check_local_updates(
+    local_updates: object, own_local_params: bool, where: str = "shard_subsamples"
+) -> LocalUpdates:
+    """``local_updates`` if it is valid with ``own_local_params``; else an error
+    naming it and ``where`` it was passed.
 
     :raises TypeError: when it is not a string.
     :raises ValueError: when it is neither ``"dense"`` nor ``"sparse"``, or
@@ -129,18 +132,18 @@ def check_local_updates(local_updates: object, own_local_params: bool) -> LocalU
     """
     if not isinstance(local_updates, str):
         raise TypeError(
-            f"shard_subsamples: local_updates must be 'dense' or 'sparse', "
+            f"{where}: local_updates must be 'dense' or 'sparse', "
             f"got {type(local_updates).__name__} {local_updates!r}"
         )
     if local_updates == "dense":
         return "dense"
     if local_updates != "sparse":
         raise ValueError(
-            f"shard_subsamples: local_updates must be 'dense' or 'sparse', got {local_updates!r}"
+            f"{where}: local_updates must be 'dense' or 'sparse', got {local_updates!r}"
         )
     if not own_local_params:
         raise ValueError(
-            "shard_subsamples: local_updates='sparse' needs own_local_params=True "
+            f"{where}: local_updates='sparse' needs own_local_params=True "
             "(only rows a worker owns can be stepped without the others)"
         )
     return "sparse"

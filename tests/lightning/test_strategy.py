@@ -262,6 +262,24 @@ def test_an_engine_the_strategy_cannot_use_is_refused(engine: str) -> None:
         PyroDistributedStrategy(engine=engine)
 
 
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"local_updates": "sparse"}, ValueError, "needs own_local_params=True"),
+        ({"local_updates": "lazy", "own_local_params": True}, ValueError, "'dense' or 'sparse'"),
+        ({"local_updates": True, "own_local_params": True}, TypeError, "'dense' or 'sparse'"),
+    ],
+)
+def test_local_updates_the_strategy_cannot_use_are_refused(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    from pyro_distributed.lightning import PyroDistributedStrategy
+
+    with pytest.raises(error, match=message) as raised:
+        PyroDistributedStrategy(**options)
+    assert str(raised.value).startswith("PyroDistributedStrategy:")
+
+
 def test_the_core_package_never_imports_lightning() -> None:
     code = "import sys, pyro_distributed; assert 'lightning' not in sys.modules, 'imported'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

@@ -33,12 +33,19 @@ def weights(output: str) -> list[float]:
     return [float(w) for w in match.group(1).split(",")]
 
 
-@pytest.mark.parametrize("local", [False, True], ids=["global", "local-latents"])
-def test_the_lightning_example_recovers_the_weights_on_two_workers(local: bool) -> None:
-    output = run_example(*(["--local"] if local else []))
+@pytest.mark.parametrize(
+    "options",
+    [[], ["--local"], ["--local", "--sparse"]],
+    ids=["global", "local-latents", "local-latents-sparse-steps"],
+)
+def test_the_lightning_example_recovers_the_weights_on_two_workers(options: list[str]) -> None:
+    local = "--local" in options
+    output = run_example(*options)
     assert "trained on 2 worker(s)" in output
     for fitted, true in zip(weights(output), [2.0, -1.0, 0.5], strict=True):
         assert abs(fitted - true) < 0.1, output
     if local:  # each worker holds its own half of the per-row parameters
         for rank in (0, 1):
             assert f"worker {rank}: holds 1000 of 2000 rows" in output, output
+        stepped = "only each batch's rows" if "--sparse" in options else "all its rows"
+        assert output.count(f"stepped {stepped}") == 2, output
