@@ -109,6 +109,15 @@ CONFIGS: tuple[Config, ...] = (
         named_only=True,
         steps_scale=20,
     ),
+    Config(
+        "torch-ours-sparse-w2",
+        "torch-ours-sparse",
+        "torchrun",
+        workers=2,
+        baseline="plain-x2",
+        named_only=True,
+        steps_scale=20,
+    ),
 )
 
 # The peers every two-worker configuration is compared with, by throughput.
@@ -174,6 +183,7 @@ LOCAL_CONFIGS: tuple[str, ...] = (
     "ddp-w2",
     "torch-ours-w2",
     "torch-ours-owned-w2",
+    "torch-ours-sparse-w2",
 )
 LOCAL_PLANS: tuple[Plan, ...] = (
     Plan("local10000", steps=40, warmup=5, configs=LOCAL_CONFIGS, main=False),

@@ -90,9 +90,10 @@ OPTIMS = (
     "torch",
     "torch-ours",
     "torch-ours-owned",
+    "torch-ours-sparse",
 )
 #: The configurations that train the ELBO module with a torch optimizer.
-MODULE_OPTIMS = ("ddp", "torch", "torch-ours", "torch-ours-owned")
+MODULE_OPTIMS = ("ddp", "torch", "torch-ours", "torch-ours-owned", "torch-ours-sparse")
 
 Model = Callable[..., object]
 
@@ -437,7 +438,8 @@ def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -
 def module_training(workload: Workload, optim_name: str) -> Training:
     """The same model and guide as a torch module, trained with a torch Adam:
     under DDP at W>1 (``ddp``), plain (``torch``), or through our
-    DistributedOptimizer (``torch-ours``, ``torch-ours-owned``).
+    DistributedOptimizer (``torch-ours``, ``torch-ours-owned``, and
+    ``torch-ours-sparse``: owned rows with sparse local steps).
 
     What DDP gets is the ELBO module's ``parameters()``: the guide's (and the
     model's, for large1m and the VAE), the same tensors SVI would find in the
@@ -451,11 +453,14 @@ def module_training(workload: Workload, optim_name: str) -> Training:
     # As for SVI: ours shards the local workloads' subsamples; "owned" keeps
     # each worker's block of local rows only (cut by the first call).
     sharded = ours and workload.sharded_plates
-    owned = optim_name == "torch-ours-owned"
+    owned = optim_name in ("torch-ours-owned", "torch-ours-sparse")
+    local_updates = "sparse" if optim_name == "torch-ours-sparse" else "dense"
 
     def plates() -> Any:
-        return (
-            pyro_distributed.shard_subsamples(own_local_params=owned) if sharded else nullcontext()
+        if not sharded:
+            return nullcontext()
+        return pyro_distributed.shard_subsamples(
+            own_local_params=owned, local_updates=local_updates
         )
 
     elbo = Trace_ELBO()(workload.model, workload.guide)
