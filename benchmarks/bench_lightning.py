@@ -13,9 +13,10 @@ workers started by Lightning's own launcher, interleaved repeats:
 * ``local``: N data points with an 8-float latent each (AutoNormal over a
   plate of N, 16 N floats of parameters). DDP replicates and all-reduces all
   of them every step; the strategy with ``own_local_params=True`` keeps N/W
-  rows per worker and sends only the global ones.
+  rows per worker and sends only the global ones; ``ours-sparse`` adds
+  ``local_updates="sparse"`` (only each batch's rows are stepped).
 
-    python benchmarks/bench_lightning.py                 # about 5 minutes here
+    python benchmarks/bench_lightning.py                 # about 15 minutes here
     python benchmarks/bench_lightning.py --rows 100000 --repeats 1
 
 Prints, for each configuration, the median step time (forward, backward and
@@ -42,6 +43,12 @@ HERE = Path(__file__).resolve().parent
 BATCH, LATENT = 256, 8
 MLP_INPUTS, MLP_HIDDEN = 100, 1024
 WORKLOADS = ("global", "mlp", "local")
+# "ours-sparse": owned local rows with local_updates="sparse" (O(batch) a step).
+STRATEGIES = {
+    "global": ("ours", "ddp"),
+    "mlp": ("ours", "ddp"),
+    "local": ("ours", "ours-sparse", "ddp"),
+}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -103,7 +110,8 @@ def worker(args: argparse.Namespace) -> None:
     plates = (lambda indices, *_: pyro.plate("data", n, subsample=indices)) if local else None
     guide = AutoNormal(model, create_plates=plates)
     loss_fn = Trace_ELBO()(model, guide)
-    owned = local and args.strategy == "ours"
+    owned = local and args.strategy.startswith("ours")
+    local_updates = "sparse" if args.strategy == "ours-sparse" else "dense"
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -111,7 +119,9 @@ def worker(args: argparse.Namespace) -> None:
             self.loss_fn = loss_fn
             self.times: list[float] = []
             self.iterations: list[float] = []
+            self.cpu_seconds: list[float] = []  # this process's CPU seconds per iteration
             self._ended: float | None = None
+            self._cpu_ended = 0.0
 
         def setup(self, stage: str) -> None:  # create the parameters once the workers met
             first = next(iter(pd.ShardSampler(dataset, by_block=owned, shuffle=False)))
@@ -127,14 +137,16 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_batch_end(self, *_: Any) -> None:
             now = time.perf_counter()
             self.times.append(now - self._started)
+            cpu = time.process_time()
             if self._ended is not None:
                 self.iterations.append(now - self._ended)
-            self._ended = now
+                self.cpu_seconds.append(cpu - self._cpu_ended)
+            self._ended, self._cpu_ended = now, cpu
 
         def configure_optimizers(self) -> Any:
             return torch.optim.Adam(self.loss_fn.parameters(), lr=0.01)
 
-    strategy: Any = PyroDistributedStrategy(own_local_params=owned)
+    strategy: Any = PyroDistributedStrategy(own_local_params=owned, local_updates=local_updates)
     if args.strategy == "ddp":
         strategy = "ddp"
     module = Module()
@@ -151,8 +163,17 @@ def worker(args: argparse.Namespace) -> None:
     )
     # DDP gets Lightning's DistributedSampler; the strategy, its own ShardSampler.
     trainer.fit(module, DataLoader(dataset, batch_size=BATCH, shuffle=True))
+    # Leave together: a gloo group torn down while its peer's is still open can
+    # abort the slower process at exit (plain DDP leaves that to the interpreter).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     if trainer.is_global_zero:
-        timed = {"step": module.times[args.warmup :], "iteration": module.iterations[args.warmup :]}
+        timed = {
+            "step": module.times[args.warmup :],
+            "iteration": module.iterations[args.warmup :],
+            "cpu": module.cpu_seconds[args.warmup :],
+        }
         Path(args.out).write_text(json.dumps(timed))
 
 
@@ -192,7 +213,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {}
     for _ in range(args.repeats):  # interleaved: the machine's load hits both alike
         for workload in args.workloads:
-            for strategy in ("ours", "ddp"):
+            for strategy in STRATEGIES[workload]:
                 key = f"{workload}/{strategy}"
                 runs.setdefault(key, []).append(run_config(args, workload, strategy))
                 shown = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in runs[key][-1].items())
@@ -208,12 +229,15 @@ def main() -> None:
     }
     print(f"\nmedians of {args.repeats} runs, 2 CPU workers, {BATCH} rows per worker per step")
     for workload in args.workloads:
-        ours, ddp = medians[f"{workload}/ours"], medians[f"{workload}/ddp"]
-        for kind in ("step", "iteration"):
-            print(
-                f"{workload} ({labels[workload]}), {kind}: ours {ours[kind] * 1e3:.2f} ms, "
-                f"DDPStrategy {ddp[kind] * 1e3:.2f} ms, ours / DDP = {ours[kind] / ddp[kind]:.3f}"
-            )
+        ddp = medians[f"{workload}/ddp"]
+        for strategy in STRATEGIES[workload][:-1]:
+            ours = medians[f"{workload}/{strategy}"]
+            for kind in ("step", "iteration", "cpu"):
+                print(
+                    f"{workload} ({labels[workload]}), {strategy}, {kind}: "
+                    f"{ours[kind] * 1e3:.2f} ms, DDPStrategy {ddp[kind] * 1e3:.2f} ms, "
+                    f"{strategy} / DDP = {ours[kind] / ddp[kind]:.3f}"
+                )
     record = {"args": vars(args), "runs_s": runs, "medians_s": medians}
     (HERE / "lightning_results.json").write_text(json.dumps(record, indent=1))
 
