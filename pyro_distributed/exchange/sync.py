@@ -12,8 +12,11 @@ same order on every worker:
    (:mod:`.overlap`), and step 1 confirms they held the right tensors.
 
 With overlap, the agreement header travels as riders of the last bucket: the
-digest floats of :func:`~.agreement.digest_floats` followed by one stale flag
-per bucket. This module is the only one that knows that order.
+digest floats of :func:`~.agreement.digest_floats`, one stale flag per
+bucket, then the flag that some gradient which never travels (a local
+parameter's) is NaN or Inf on that worker; without overlap that flag rides
+in the agreement's header. Either way a step with local parameters costs no
+collective of its own. This module is the only one that knows that order.
 
 The exchange knows nothing of Pyro: tensors come with names chosen by the
 front end, and ``catalog`` says which tensors a worker could step, for the
@@ -106,48 +109,63 @@ class GradientSync:
         """How many buckets the last exchange used."""
         return len(self._averager.buckets)
 
-    def exchange(self, given: Mapping[str, Tensor], catalog: Catalog) -> Exchanged:
+    def exchange(
+        self, given: Mapping[str, Tensor], catalog: Catalog, *, nonfinite_here: bool = False
+    ) -> Exchanged:
         """Average the gradients of ``given`` (a collective: every worker calls it).
 
         :param given: the tensors this worker steps, by shared name.
         :param catalog: every tensor this worker could step, by name (called
             only when workers proposed different tensors).
+        :param nonfinite_here: whether a gradient that never travels (a local
+            parameter's) is NaN or Inf on this worker. It rides in the header,
+            so that every worker's ``finite`` says "no worker has one" without
+            a collective of its own.
         :raises PyroDistributedError: when the workers' tensors cannot be
             reconciled (missing somewhere, different shapes), naming them.
         """
         proposal = self._agreement.propose(given)
         overlap = self._overlap
+        flag = int(nonfinite_here)
         if overlap is None or not overlap.armed:
-            step = self._agreement.settle(proposal, catalog).step
+            settlement = self._agreement.settle(proposal, catalog, [flag])
+            step, nonfinite_somewhere = settlement.step, settlement.riders[0] > 0
             finite = self._averager.average_(step.names, step.tensors)
         else:
-            step, finite = self._exchange_overlapped(proposal, catalog, overlap)
+            step, finite, nonfinite_somewhere = self._exchange_overlapped(
+                proposal, catalog, overlap, flag
+            )
         if overlap is not None:
             overlap.after_step(step.names, step.tensors)
-        return Exchanged(step.names, step.tensors, step.borrowed, finite)
+        return Exchanged(
+            step.names, step.tensors, step.borrowed, finite and not nonfinite_somewhere
+        )
 
     def _exchange_overlapped(
-        self, proposal: Proposal, catalog: Catalog, overlap: BackwardOverlap
-    ) -> tuple[StepParams, bool]:
+        self, proposal: Proposal, catalog: Catalog, overlap: BackwardOverlap, flag: int
+    ) -> tuple[StepParams, bool, bool]:
+        """The step, whether its averages are finite, and whether some worker's
+        ``flag`` (a non-finite gradient that does not travel) was raised."""
         # Every bucket leaves before the header, on every worker alike; the
         # header then says whether they held the right tensors.
         overlap.send_remaining()
         stale = overlap.stale_flags()
         if overlap.carrier is not None:
-            summed = overlap.send_carrier([*digest_floats(proposal.digest), *stale])
+            summed = overlap.send_carrier([*digest_floats(proposal.digest), *stale, flag])
             unanimous = digests_equal(summed[:DIGEST_FLOATS], self._engine.world_size)
-            resend = [int(flag > 0) for flag in summed[DIGEST_FLOATS:]]
+            resend = [int(value > 0) for value in summed[DIGEST_FLOATS:-1]]
+            raised = summed[-1] > 0
             if unanimous and not proposal.new and proposal.names == overlap.names:
-                return self._agreement.accept(proposal), overlap.finish(resend)
+                return self._agreement.accept(proposal), overlap.finish(resend), raised
             overlap.discard()
             step = self._agreement.settle(proposal, catalog).step
         else:
-            settlement = self._agreement.settle(proposal, catalog, stale)
-            step = settlement.step
+            settlement = self._agreement.settle(proposal, catalog, [*stale, flag])
+            step, raised = settlement.step, settlement.riders[-1] > 0
             if settlement.unchanged and step.names == overlap.names:
-                return step, overlap.finish(resend=settlement.riders)
+                return step, overlap.finish(resend=settlement.riders[:-1]), raised
             overlap.discard()
-        return step, self._averager.average_(step.names, step.tensors)
+        return step, self._averager.average_(step.names, step.tensors), raised
 
     def squared_norms(self) -> tuple[float, float]:
         """``(mean_i |g_i|^2, |mean_i g_i|^2)`` of the last exchange (needs

@@ -79,26 +79,24 @@ class LocalGradients:
         self._agreed: set[str] = set()
 
     def prepare(self, params: Mapping[str, Tensor], also_finite: bool = True) -> bool:
-        """Scale the gradients by 1/W; return whether every worker's are finite.
+        """Scale the gradients by 1/W; return whether this worker's are finite.
 
         ``also_finite``: whether this worker's gradients checked elsewhere
         (sparse local rows, :mod:`pyro_distributed.optim.sparse_step`) are
-        finite; it joins the same reduction, so that a step costs one either way.
+        finite; it joins the result.
 
         The first time a local parameter reaches the optimizer, the workers
         compare its plate (a collective); a different size on some worker is
-        an error on every worker. Then one one-element reduction per step
-        tells every worker whether any local gradient anywhere is NaN or Inf,
-        so that all skip (or refuse) the step together.
+        an error on every worker. Whether any worker's local gradient is NaN
+        or Inf then travels with the gradient exchange's header
+        (``GradientSync.exchange(..., nonfinite_here=...)``), so that every
+        worker skips (or refuses) the step together at no extra round trip.
         """
         fresh = sorted(name for name in params if name not in self._agreed)
         if fresh:
             _check_plates_agree(self._engine, {name: registered(name) for name in fresh})
             self._agreed.update(fresh)
-        finite = scale_local_grads(params, self._engine.world_size) and also_finite
-        flag = torch.tensor([int(not finite)], dtype=torch.int64)
-        self._engine.allreduce_([flag], op="max")
-        return not bool(flag.item())
+        return scale_local_grads(params, self._engine.world_size) and also_finite
 
 
 def _check_plates_agree(engine: Engine, params: dict[str, LocalParam]) -> None:

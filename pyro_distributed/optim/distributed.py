@@ -279,13 +279,15 @@ class DistributedOptimizer(BindsAtFirstStep, PyroOptim):
             return
         assert self._local is not None  # bound with the sync
         replicated, local = split_local(_by_store_name(params))
-        exchanged = sync.exchange(replicated, _param_store)
-        finite = exchanged.finite
+        local_finite = True
         if local or sparse:
-            # The sparse rows' finite check joins the same one-element reduction.
+            # Local gradients never travel: scaled and checked here, and the
+            # check rides with the exchange's header to every worker.
             rows_finite = scale_rows(sparse, self.engine.world_size)
             owned = {**local, **{rows.name: rows.tensor for rows in sparse}}
-            finite = self._local.prepare(owned, rows_finite) and finite
+            local_finite = self._local.prepare(owned, rows_finite)
+        exchanged = sync.exchange(replicated, _param_store, nonfinite_here=not local_finite)
+        finite = exchanged.finite
         stepped = [*exchanged.tensors, *local.values()]
         if finite:
             if self._noise is not None and exchanged.tensors:  # before the wrapped optimizer clips

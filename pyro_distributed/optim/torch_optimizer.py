@@ -306,14 +306,15 @@ class DistributedTorchOptimizer(BindsAtFirstStep, torch.optim.Optimizer):
         # First: an optimizer without a lazy rule is refused before anything travels.
         sparse = self._sparse.take()
         replicated, local = split_local(dict(self.named_parameters()))
-        exchanged = sync.exchange(replicated, lambda: replicated)
-        finite = exchanged.finite
+        local_finite = True
         if local or sparse:
             check_state_fits(self.wrapped, local)
-            # The sparse rows' finite check joins the same one-element reduction.
+            # Local gradients never travel: scaled and checked here, and the
+            # check rides with the exchange's header to every worker.
             rows_finite = scale_rows(sparse, self.engine.world_size)
-            finite = local_gradients.prepare(local, rows_finite) and finite
-        return exchanged, finite, sparse
+            local_finite = local_gradients.prepare(local, rows_finite)
+        exchanged = sync.exchange(replicated, lambda: replicated, nonfinite_here=not local_finite)
+        return exchanged, exchanged.finite, sparse
 
     def _warn_if_changed_since_backward(self) -> None:
         if self._warned_changed:
