@@ -97,9 +97,10 @@ from torch import Tensor
 from torch.distributions import constraints, transform_to
 
 from ..errors import PyroDistributedError
-from ..internals import attach_unconstrained, param_constraint, stored_unconstrained
+from ..internals import attach_unconstrained
 from . import registry
 from .registry import LocalParam
+from .store import unconstrained_and_constraint
 
 __all__ = [
     "LOCAL_UPDATES",
@@ -223,13 +224,7 @@ def select_rows(
         it lives on a PyroModule (``module_local_params``), with its
         ``constraint``; otherwise both come from the param store.
     """
-    unconstrained = module_tensor
-    if unconstrained is None:
-        # Not store[name]: that would constrain every row of the block.
-        unconstrained = stored_unconstrained(param.name)
-        if unconstrained is None:
-            raise KeyError(f"no parameter named {param.name!r} in the param store")
-        constraint = param_constraint(param.name)
+    unconstrained, constraint = unconstrained_and_constraint(param, module_tensor, constraint)
     rows = (indices - param.rows.start).to(unconstrained.device)
     axis = param.axis % unconstrained.dim()
     selected = unconstrained.detach().index_select(axis, rows)

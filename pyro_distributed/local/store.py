@@ -25,7 +25,7 @@ from ..internals import (
 )
 from .registry import LocalParam, touch
 
-__all__ = ["create", "length_along", "localize", "select_rows"]
+__all__ = ["create", "length_along", "localize", "select_rows", "unconstrained_and_constraint"]
 
 
 def create(
@@ -119,6 +119,21 @@ def length_along(tensor: Tensor, param: LocalParam) -> int:
     return int(tensor.shape[param.axis])
 
 
+def unconstrained_and_constraint(
+    param: LocalParam, module_tensor: Tensor | None, constraint: Any
+) -> tuple[Tensor, Any]:
+    """``param``'s unconstrained tensor and its constraint: ``module_tensor`` and
+    ``constraint`` when the parameter lives on a PyroModule, else the param
+    store's (not ``store[name]``, which would constrain every row of the block
+    to select a few)."""
+    if module_tensor is not None:
+        return module_tensor, constraint
+    unconstrained = stored_unconstrained(param.name)
+    if unconstrained is None:
+        raise KeyError(f"no parameter named {param.name!r} in the param store")
+    return unconstrained, param_constraint(param.name)
+
+
 def select_rows(
     param: LocalParam,
     indices: Tensor,
@@ -136,13 +151,7 @@ def select_rows(
     depending on where it falls in the tensor, so a worker holding only its
     block could otherwise drift from the replicated run in the last bit.
     """
-    # Not store[name]: that would constrain all the rows, to select a few.
-    unconstrained = module_tensor
-    if unconstrained is None:
-        unconstrained = stored_unconstrained(param.name)
-        if unconstrained is None:
-            raise KeyError(f"no parameter named {param.name!r} in the param store")
-        constraint = param_constraint(param.name)
+    unconstrained, constraint = unconstrained_and_constraint(param, module_tensor, constraint)
     offset = param.rows.start if owned else 0
     rows = (indices - offset).to(unconstrained.device)
     selected = unconstrained.index_select(param.axis % unconstrained.dim(), rows)
