@@ -242,14 +242,6 @@ class DistributedOptimizer(BindsAtFirstStep, PyroOptim):
         )
 
     @property
-    def sync(self) -> GradientSync | None:
-        """The gradient exchange; ``None`` with one worker, which has nothing to
-        exchange. Its read-only properties (``overlaps``, ``overlap_armed``,
-        ``bucket_count``) show how gradients travel."""
-        self.engine  # noqa: B018 (binds the engine)
-        return self._sync
-
-    @property
     def grouped(self) -> bool:
         """Whether parameters are stepped by multi-tensor optimizers (``multi_tensor``)."""
         return self._stepper is not None

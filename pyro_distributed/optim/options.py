@@ -104,14 +104,16 @@ class BindsAtFirstStep(ABC):
     A front end sets ``_binding`` (an :class:`EngineBinding`) and
     ``_local = None`` in its constructor, and builds what depends on the
     engine (its exchange, with :func:`bind_exchange`) in :meth:`_bind`, which
-    sets ``_local``. Reading :attr:`engine` (every step does) binds once and
-    then only re-checks the binding. It holds no state and defines no
+    sets ``_local`` and ``_sync``. Reading :attr:`engine` or :attr:`sync`
+    (every step does) binds once and then only re-checks the binding. It
+    holds no state and defines no
     ``__init__``, so a front end that is a ``torch.optim.Optimizer`` still
     never runs ``Optimizer.__init__``.
     """
 
     _binding: EngineBinding
     _local: LocalGradients | None
+    _sync: GradientSync | None
 
     @property
     def engine(self) -> Engine:
@@ -121,6 +123,14 @@ class BindsAtFirstStep(ABC):
         if self._local is None:
             self._bind()
         return engine
+
+    @property
+    def sync(self) -> GradientSync | None:
+        """The gradient exchange; ``None`` with one worker, which has nothing to
+        exchange. Its read-only properties (``overlaps``, ``overlap_armed``,
+        ``bucket_count``) show how gradients travel."""
+        self.engine  # noqa: B018 (binds the engine)
+        return self._sync
 
     @abstractmethod
     def _bind(self) -> None:

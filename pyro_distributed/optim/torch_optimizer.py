@@ -166,12 +166,6 @@ class DistributedTorchOptimizer(BindsAtFirstStep, torch.optim.Optimizer):
 
     # -- the engine, chosen at the first step
 
-    @property
-    def sync(self) -> GradientSync | None:
-        """The gradient exchange; ``None`` with one worker."""
-        self.engine  # noqa: B018 (binds the engine)
-        return self._sync
-
     def _bind(self) -> None:
         self._noise, self._sync, self._local = bind_exchange(
             self._binding.engine(),
