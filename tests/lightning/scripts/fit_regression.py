@@ -54,28 +54,20 @@ def make_data(n: int, seed: int) -> TensorDataset:
 
 
 class Regression(PyroModule):
-    def __init__(self, size: int) -> None:
+    """Bayesian linear regression; with ``local=True``, a latent offset per row
+    whose variational parameters are local."""
+
+    def __init__(self, size: int, local: bool = False) -> None:
         super().__init__()
-        self.size = size
+        self.size, self.local = size, local
 
     def forward(self, indices: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
         w = pyro.sample("w", dist.Normal(0.0, 10.0).expand([3]).to_event(1))
         with pyro.plate("data", self.size, subsample=indices):
-            return pyro.sample("y", dist.Normal(x @ w, SIGMA), obs=y)
-
-
-class LocalRegression(PyroModule):
-    """Regression with a latent offset per row: its variational parameters are local."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.size = size
-
-    def forward(self, indices: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
-        w = pyro.sample("w", dist.Normal(0.0, 10.0).expand([3]).to_event(1))
-        with pyro.plate("data", self.size, subsample=indices):
-            z = pyro.sample("z", dist.Normal(0.0, 0.5))
-            return pyro.sample("y", dist.Normal(x @ w + z, SIGMA), obs=y)
+            mean = x @ w
+            if self.local:
+                mean = mean + pyro.sample("z", dist.Normal(0.0, 0.5))
+            return pyro.sample("y", dist.Normal(mean, SIGMA), obs=y)
 
 
 def snapshot(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
@@ -152,7 +144,7 @@ class LocalPlan(AutomaticPlan):
 
     def __init__(self, lr: float, train: IndexedDataset) -> None:
         Recorder.__init__(self)
-        model = LocalRegression(N)
+        model = Regression(N, local=True)
         guide = AutoNormal(
             model, create_plates=lambda idx, *_: pyro.plate("data", N, subsample=idx)
         )
