@@ -1,4 +1,4 @@
-"""Every reach into Pyro's and torch's private names (pyro_distributed.internals).
+"""Every reach into Pyro's and torch's private names (pyro_internals, torch_internals).
 
 Each test exercises one reach for what the library relies on. When an
 upgrade moves an internal, the failure names the installed versions, so the
@@ -17,7 +17,7 @@ import torch
 from pyro.optim import PyroOptim
 from torch.distributions import constraints
 
-from pyro_distributed import internals
+from pyro_distributed import pyro_internals, torch_internals
 
 VERSIONS = f"pyro {pyro.__version__}, torch {torch.__version__}"
 
@@ -39,21 +39,21 @@ def _fresh_store() -> None:
 def test_stored_unconstrained_is_the_tensor_the_store_steps() -> None:
     with reaching("ParamStore._params"):
         pyro.param("scale", torch.ones(3), constraint=constraints.positive)
-        stored = internals.stored_unconstrained("scale")
+        stored = pyro_internals.stored_unconstrained("scale")
         assert stored is pyro.get_param_store().named_parameters().__iter__().__next__()[1]
         assert torch.equal(stored, torch.zeros(3))  # log(1): the unconstrained value
-        assert internals.stored_unconstrained("missing") is None
+        assert pyro_internals.stored_unconstrained("missing") is None
 
 
 def test_replace_unconstrained_keeps_every_bit_and_the_name_map() -> None:
     with reaching("ParamStore._params and _param_to_name"):
         pyro.param("scale", torch.ones(3), constraint=constraints.positive)
-        old = internals.stored_unconstrained("scale")
+        old = pyro_internals.stored_unconstrained("scale")
         value = torch.tensor([0.1, -2.0, 3.0])
-        stored = internals.replace_unconstrained("scale", value)
+        stored = pyro_internals.replace_unconstrained("scale", value)
         store = pyro.get_param_store()
         assert torch.equal(stored, value) and stored.requires_grad
-        assert internals.stored_unconstrained("scale") is stored
+        assert pyro_internals.stored_unconstrained("scale") is stored
         assert store.param_name(stored) == "scale"
         assert old is not None and store.param_name(old) is None
 
@@ -61,19 +61,19 @@ def test_replace_unconstrained_keeps_every_bit_and_the_name_map() -> None:
 def test_param_constraint_is_the_one_it_was_created_with() -> None:
     with reaching("ParamStore._constraints"):
         pyro.param("p", torch.tensor(0.5), constraint=constraints.unit_interval)
-        assert internals.param_constraint("p") is constraints.unit_interval
+        assert pyro_internals.param_constraint("p") is constraints.unit_interval
 
 
 def test_attach_unconstrained_makes_svi_step_the_unconstrained_tensor() -> None:
     with reaching("the unconstrained / _pyro_unconstrained_param attributes"):
         pyro.param("loc", torch.zeros(4))
-        unconstrained = internals.stored_unconstrained("loc")
+        unconstrained = pyro_internals.stored_unconstrained("loc")
         assert unconstrained is not None
         rows = unconstrained.index_select(0, torch.tensor([1, 2]))
 
         def guide() -> None:
             value = rows.clone()
-            internals.attach_unconstrained(value, unconstrained)
+            pyro_internals.attach_unconstrained(value, unconstrained)
             pyro.sample("x", dist.Normal(value, 1.0).to_event(1))
 
         trace = pyro.poutine.trace(guide).get_trace()
@@ -92,10 +92,10 @@ def test_single_optimizer_and_waiting_state_are_pyro_optims_own() -> None:
         saved = optim.get_state()
         fresh = PyroOptim(torch.optim.Adam, {"lr": 0.5})
         fresh.set_state(saved)
-        waiting = internals.pop_waiting_state(fresh, "w")
+        waiting = pyro_internals.pop_waiting_state(fresh, "w")
         assert waiting is not None and waiting["state"][0]["step"] == 1
-        assert internals.pop_waiting_state(fresh, "w") is None
-        single = internals.single_optimizer(fresh, param)
+        assert pyro_internals.pop_waiting_state(fresh, "w") is None
+        single = pyro_internals.single_optimizer(fresh, param)
         assert isinstance(single, torch.optim.Adam)
         assert single.param_groups[0]["params"] == [param]
         assert single.param_groups[0]["lr"] == 0.5
@@ -109,23 +109,23 @@ def test_subsample_is_the_distribution_of_a_plates_subsample_site() -> None:
                 pass
 
         trace = pyro.poutine.trace(model).get_trace()
-        assert isinstance(trace.nodes["data"]["fn"], internals.Subsample)
+        assert isinstance(trace.nodes["data"]["fn"], pyro_internals.Subsample)
 
 
 def test_grad_version_counts_in_place_changes() -> None:
     with reaching("Tensor._version"):
         grad = torch.zeros(3)
-        before = internals.grad_version(grad)
+        before = torch_internals.grad_version(grad)
         grad.add_(1.0)
-        assert internals.grad_version(grad) == before + 1
+        assert torch_internals.grad_version(grad) == before + 1
         grad.clone()
-        assert internals.grad_version(grad) == before + 1
+        assert torch_internals.grad_version(grad) == before + 1
 
 
 def test_prefix_store_prefixes_keys() -> None:
     with reaching("torch.distributed PrefixStore"):
         base = torch.distributed.HashStore()
-        prefixed = internals.PrefixStore("attempt1", base)
+        prefixed = torch_internals.PrefixStore("attempt1", base)
         prefixed.set("key", "value")
         assert base.get("attempt1/key") == b"value"
 
@@ -134,14 +134,14 @@ def test_grad_clip_and_state_loading_are_pyro_optims_own() -> None:
     with reaching("PyroOptim._get_grad_clip and pyro.optim.optim._load_state_dict"):
         param = pyro.param("w", torch.zeros(2)).unconstrained()
         optim = PyroOptim(torch.optim.SGD, {"lr": 0.5}, {"clip_norm": 1.0})
-        clip = internals.grad_clip_of(optim, param)
+        clip = pyro_internals.grad_clip_of(optim, param)
         param.grad = torch.tensor([3.0, 4.0])
         clip(param)
         assert torch.allclose(param.grad.norm(), torch.tensor(1.0))
         adam = torch.optim.Adam([param], lr=0.1)
         adam.step()
         fresh = torch.optim.Adam([param], lr=0.1)
-        internals.load_optimizer_state(fresh, adam.state_dict())
+        pyro_internals.load_optimizer_state(fresh, adam.state_dict())
         assert torch.equal(fresh.state[param]["exp_avg"], adam.state[param]["exp_avg"])
 
 
@@ -161,7 +161,7 @@ def test_module_param_finds_a_pyro_modules_parameter_in_local_mode() -> None:
 
         class Probe(pyro.poutine.messenger.Messenger):
             def _pyro_param(self, msg: dict[str, object]) -> None:
-                seen.append(internals.module_param(msg))  # type: ignore[arg-type]
+                seen.append(pyro_internals.module_param(msg))  # type: ignore[arg-type]
 
         pyro.settings.set(module_local_params=True)
         try:
@@ -187,7 +187,7 @@ def test_init_optimizer_hooks_make_an_optimizer_without_init_take_step_hooks() -
                     other.state,
                     other.defaults,
                 )
-                internals.init_optimizer_hooks(self)
+                torch_internals.init_optimizer_hooks(self)
 
         param = torch.nn.Parameter(torch.ones(1))
         sharing = Sharing(torch.optim.SGD([param], lr=1.0))

@@ -19,10 +19,10 @@ import pyro
 import pyro.util
 import torch
 
-from ..internals import replace_unconstrained
 from ..local import registry
 from ..local.blocks import load_blocks
 from ..optim.distributed import DistributedOptimizer
+from ..pyro_internals import replace_unconstrained
 from . import files
 
 __all__ = ["load", "save"]

@@ -38,9 +38,9 @@ from pyro.poutine.messenger import Messenger
 from .. import runtime
 from ..checks import check_bool
 from ..errors import PyroDistributedError
-from ..internals import Subsample, module_param
 from ..local import registry, sparse, store
 from ..partition import block_range
+from ..pyro_internals import Subsample, module_param
 from ..seeding import block_generator, shared_generator
 from .plates import shard_lengths
 

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.distributed.rendezvous import rendezvous
 
 from ..errors import PyroDistributedError
-from ..internals import PrefixStore
+from ..torch_internals import PrefixStore
 from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp, process_is_alive
 
 __all__ = ["TorchEngine"]

@@ -30,7 +30,7 @@ from pyro.poutine.messenger import Messenger
 from .. import runtime
 from ..checks import check_int
 from ..data.shards import Data, block_batches, data_columns
-from ..internals import Subsample
+from ..pyro_internals import Subsample
 
 __all__ = ["evaluate_loss"]
 

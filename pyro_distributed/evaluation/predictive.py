@@ -41,8 +41,8 @@ from .. import runtime
 from ..checks import check_choice, check_int
 from ..data.shards import block_batches, data_columns
 from ..gather import Destination, gather_pieces
-from ..internals import Subsample
 from ..partition import block_range
+from ..pyro_internals import Subsample
 from ..seeding import derived_seed
 
 __all__ = ["Predictive"]

@@ -6,6 +6,25 @@ which tensors take part (:mod:`.agreement`), packs their gradients into a few
 fused buckets (:mod:`.layout`), averages them (:mod:`.averager`, optionally
 compressed, :mod:`.compression`), starts the buckets while backward is still
 running (:mod:`.overlap`), and writes the averages back into ``.grad``.
-:class:`~pyro_distributed.exchange.sync.GradientSync` owns all of it, so a
-second front end calls one object instead of re-implementing the trip.
+:class:`GradientSync` owns all of it, so a second front end calls one object
+instead of re-implementing the trip.
+
+The names below are the exchange's face: code outside this package imports
+them from here, never from its modules (an import-linter contract checks it),
+so the modules can be rearranged without touching the front ends. Nothing
+here imports Pyro, directly or through this package's own modules (checked
+the same way).
 """
+
+from .averager import Compressor, Reduction
+from .compression import Compression, compressor
+from .sync import Exchanged, GradientSync
+
+__all__ = [
+    "Compression",
+    "Compressor",
+    "Exchanged",
+    "GradientSync",
+    "Reduction",
+    "compressor",
+]

@@ -16,8 +16,8 @@ from typing import Any
 import pyro
 from torch import Tensor
 
-from ..internals import stored_unconstrained
 from ..partition import block_range
+from ..pyro_internals import stored_unconstrained
 
 __all__ = [
     "LocalParam",

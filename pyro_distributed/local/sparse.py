@@ -97,7 +97,7 @@ from torch import Tensor
 from torch.distributions import constraints, transform_to
 
 from ..errors import PyroDistributedError
-from ..internals import attach_unconstrained
+from ..pyro_internals import attach_unconstrained
 from . import registry
 from .registry import LocalParam
 from .store import unconstrained_and_constraint

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributions import constraints, transform_to
 
 from .. import runtime
-from ..internals import (
+from ..pyro_internals import (
     attach_unconstrained,
     param_constraint,
     replace_unconstrained,

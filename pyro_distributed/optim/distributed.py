@@ -27,9 +27,7 @@ from torch import Tensor
 
 from ..checks import check_bool
 from ..engines import Engine
-from ..exchange.averager import Reduction
-from ..exchange.compression import Compression, compressor
-from ..exchange.sync import GradientSync
+from ..exchange import Compression, GradientSync, Reduction, compressor
 from ..local.gradients import LocalGradients, split_local
 from .consistency import assert_in_sync
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly

@@ -42,7 +42,7 @@ import torch
 from pyro.optim import PyroOptim
 from torch import Tensor
 
-from ..internals import pop_waiting_state, single_optimizer
+from ..pyro_internals import pop_waiting_state, single_optimizer
 
 __all__ = ["GroupedStepper", "grouping_refusal", "groups_exactly"]
 

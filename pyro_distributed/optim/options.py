@@ -26,8 +26,7 @@ from .. import runtime
 from ..checks import check_bool, check_choice, check_int, check_number
 from ..engines import ENGINE_NAMES, Engine
 from ..errors import PyroDistributedError
-from ..exchange.averager import Reduction
-from ..exchange.sync import GradientSync
+from ..exchange import GradientSync, Reduction
 from ..local.gradients import LocalGradients
 from .noise_scale import NoiseScaleEstimator
 

@@ -104,9 +104,9 @@ from pyro.optim import PyroOptim
 from pyro.optim.clipped_adam import ClippedAdam
 from torch import Tensor
 
-from ..internals import grad_clip_of, load_optimizer_state, pop_waiting_state, single_optimizer
 from ..local import sparse as sparse_local
 from ..local.sparse import RowGradients
+from ..pyro_internals import grad_clip_of, load_optimizer_state, pop_waiting_state, single_optimizer
 
 __all__ = [
     "SUPPORTED",

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import PyroDistributedError
-from ..internals import grad_version
+from ..torch_internals import grad_version
 
 __all__ = ["GradStamps", "check_state_fits", "refuse_nonfinite"]
 

@@ -42,12 +42,10 @@ import torch
 from torch import Tensor
 
 from ..engines import Engine
-from ..exchange.averager import Reduction
-from ..exchange.compression import Compression, compressor
-from ..exchange.sync import Exchanged, GradientSync
-from ..internals import init_optimizer_hooks
+from ..exchange import Compression, Exchanged, GradientSync, Reduction, compressor
 from ..local.gradients import LocalGradients, split_local
 from ..local.sparse import RowGradients
+from ..torch_internals import init_optimizer_hooks
 from .consistency import assert_in_sync
 from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .options import BindsAtFirstStep, EngineBinding, bind_exchange, check_options

@@ -28,8 +28,8 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoNormal, init_to_mean
 
 import pyro_distributed as pd
-from pyro_distributed.internals import stored_unconstrained
 from pyro_distributed.local import sparse as sparse_local
+from pyro_distributed.pyro_internals import stored_unconstrained
 
 from ..checkpoint.test_param_store import assert_same_state
 from ..harness import CountingEngine, run_workers

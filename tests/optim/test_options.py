@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import pyro_distributed as pd
-from pyro_distributed.exchange.averager import Reduction
+from pyro_distributed.exchange import Reduction
 from pyro_distributed.optim.options import EngineBinding, check_options, make_sync
 
 from ..harness import run_workers

@@ -1,0 +1,50 @@
+"""Every reach into torch's private names, in one place.
+
+torch offers publicly almost everything this library needs; the few things
+it does not are wrapped here, each with what it needs and why no public API
+serves, so that an upgrade of torch is checked by reading this file, and
+``tests/test_internals.py`` fails with the installed version named when one
+has moved. This module imports nothing of Pyro: the engines and the exchange,
+which know nothing of Pyro, use it (an import-linter contract checks that).
+Pyro's private names are reached in :mod:`pyro_distributed.pyro_internals`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+from torch.distributed.distributed_c10d import PrefixStore as _PrefixStore
+
+__all__ = ["PrefixStore", "grad_version", "init_optimizer_hooks"]
+
+#: A store that prefixes every key. torch exports it from ``torch.distributed``
+#: but documents it nowhere; the torch engine uses it to give every attempt at
+#: joining a process group keys of its own on a shared TCP store.
+PrefixStore = _PrefixStore
+
+
+def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that shares another's groups and state (so skips
+    ``Optimizer.__init__``, which would replace them) the hook registries that
+    ``__init__`` makes, and the step wrapper that runs those hooks, so that
+    ``register_step_pre_hook`` and friends work on it as on any optimizer."""
+    optimizer._optimizer_step_pre_hooks = OrderedDict()
+    optimizer._optimizer_step_post_hooks = OrderedDict()
+    optimizer._optimizer_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_state_dict_post_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
+    optimizer._patch_step_function()
+
+
+def grad_version(grad: Tensor) -> int:
+    """How many times ``grad`` was modified in place (autograd's version counter).
+
+    The overlap must know whether a gradient changed after its bucket left;
+    an in-place accumulation keeps the tensor's identity, and only its version
+    counter says it changed.
+    """
+    version: int = grad._version
+    return version
