@@ -1,9 +1,12 @@
-"""Engine registry: names to modules, and how ``engine="auto"`` chooses.
+"""Engine registry: names to classes, and how ``engine="auto"`` chooses.
 
-Engine modules are imported only when chosen, so that a missing optional
-transport (Horovod, mpi4py) costs nothing unless it is asked for. Adding an engine
-means adding a module with an :class:`~pyro_distributed.engines.base.Engine`
-subclass and one line in ``_ENGINES``.
+An engine module imports its optional transport (Horovod, mpi4py) only when
+the engine starts, so a missing one costs nothing unless it is asked for.
+Adding an engine means adding a module with an
+:class:`~pyro_distributed.engines.base.Engine` subclass, which says itself
+how it is detected and in which order (:meth:`~Engine.detected`,
+:attr:`~Engine.detection_priority`) and whether its launcher starts the
+workers (:attr:`~Engine.launches_own_workers`), and its line in ``_ENGINES``.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ __all__ = [
     "Pending",
     "create_engine",
     "detect_engine",
+    "engine_class",
 ]
 
-# name -> (module, class). Order matters for "auto": the first launcher found wins.
+# name -> (module, class), in the order messages list them.
 _ENGINES: dict[str, tuple[str, str]] = {
     "horovod": ("pyro_distributed.engines.horovod", "HorovodEngine"),
     "torch": ("pyro_distributed.engines.torch_distributed", "TorchEngine"),
@@ -33,14 +37,15 @@ _ENGINES: dict[str, tuple[str, str]] = {
 ENGINE_NAMES: tuple[str, ...] = tuple(_ENGINES)
 
 
-def _engine_class(name: str) -> type[Engine]:
+def engine_class(name: str) -> type[Engine]:
+    """The engine class called ``name`` (its module imported, its transport not)."""
     if name not in _ENGINES:
         raise ValueError(
             f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)} or 'auto'"
         )
     module_name, class_name = _ENGINES[name]
-    engine_class: type[Engine] = getattr(importlib.import_module(module_name), class_name)
-    return engine_class
+    found: type[Engine] = getattr(importlib.import_module(module_name), class_name)
+    return found
 
 
 def detect_engine() -> str:
@@ -49,20 +54,14 @@ def detect_engine() -> str:
     ``horovod`` when launched by ``horovodrun``; ``torch`` when launched by
     ``torchrun`` or when a torch.distributed process group already exists;
     ``mpi`` when launched by ``mpirun``, ``mpiexec`` or a multi-task ``srun``;
-    ``local`` otherwise. Detection reads the environment only: it imports no
-    optional transport (not even mpi4py).
+    ``local`` otherwise. Each engine class is asked, highest
+    :attr:`~Engine.detection_priority` first. Detection reads the environment
+    only: it imports no optional transport (not even mpi4py).
     """
-    from . import horovod, mpi, torch_distributed
-
-    if horovod.HorovodEngine.detected():
-        return "horovod"
-    if torch_distributed.TorchEngine.detected():
-        return "torch"
-    if mpi.MPIEngine.detected():
-        return "mpi"
-    return "local"
+    classes = sorted(map(engine_class, ENGINE_NAMES), key=lambda c: -c.detection_priority)
+    return next(c.name for c in classes if c.detected())
 
 
 def create_engine(name: str, timeout: timedelta = DEFAULT_TIMEOUT) -> Engine:
     """Start the engine called ``name`` (not ``"auto"``)."""
-    return _engine_class(name)(timeout)
+    return engine_class(name)(timeout)

@@ -4,8 +4,14 @@ An engine is the only place that talks to a transport (torch.distributed,
 Horovod, or nothing at all). It offers a handful of collectives on tensors and
 picklable objects and knows its own rank and world size. Everything that knows
 about Pyro (param-store names, optimizers, plates) lives above it, in
-:mod:`pyro_distributed.optim.distributed` and friends, so that adding an engine means adding
-one module beside this one and one line in :mod:`pyro_distributed.engines`.
+:mod:`pyro_distributed.optim` and friends, so that adding an engine means adding
+one module beside this one and its line in the registry of
+:mod:`pyro_distributed.engines`. What differs between engines is said by the
+engine class itself: whether its launcher's environment is present
+(:meth:`Engine.detected`, asked in the order of
+:attr:`Engine.detection_priority`), and whether that launcher starts every
+worker itself (:attr:`Engine.launches_own_workers`), which integrations such
+as the Lightning strategy ask instead of naming engines.
 
 Collectives are blocking: when one returns, its result is in place on this
 worker. They must be called in the same order on every worker; the one
@@ -20,6 +26,8 @@ from __future__ import annotations
 
 import abc
 import os
+import socket
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -29,7 +37,14 @@ from torch import Tensor
 
 from ..errors import PyroDistributedError
 
-__all__ = ["DEFAULT_TIMEOUT", "Engine", "Pending", "ReduceOp", "process_is_alive"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Engine",
+    "Pending",
+    "ReduceOp",
+    "describe_lost",
+    "process_is_alive",
+]
 
 #: How long any collective may block before the workers give up. Long enough
 #: for a slow first step, short enough that a lost worker costs a minute and
@@ -37,6 +52,12 @@ __all__ = ["DEFAULT_TIMEOUT", "Engine", "Pending", "ReduceOp", "process_is_alive
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 
 ReduceOp = Literal["sum", "mean", "max"]
+
+#: How long a failed collective's diagnosis keeps looking for a peer that has
+#: exited. The transport notices a peer's failure (a dropped connection, say)
+#: while that peer may still be tearing down, so a look at once would often
+#: find it alive; the wait is paid once, on a path that is already failing.
+_TEARDOWN_GRACE_S = 2.0
 
 
 def process_is_alive(pid: int) -> bool:
@@ -67,14 +88,49 @@ class _Finished(Pending):
         pass
 
 
+class _Health:
+    """Whether any collective of an engine or its channels has failed (shared with them)."""
+
+    failed = False
+
+
 class Engine(abc.ABC):
     """A transport with a rank, a world size and a few collectives."""
 
     #: The name users pass as ``engine=...``.
     name: ClassVar[str]
 
+    #: Where ``engine="auto"`` asks this engine's :meth:`detected`, highest
+    #: first: an engine whose launcher's environment can sit inside another's
+    #: asks before it (``horovodrun`` may run on MPI; a torch process group
+    #: may be made under ``mpiexec``).
+    detection_priority: ClassVar[int] = 0
+
+    #: Whether this engine's own launcher (``horovodrun``, ``mpiexec``) starts
+    #: every worker, so that a host framework must start none and make no
+    #: torch process group.
+    launches_own_workers: ClassVar[bool] = False
+
+    #: Under its own launcher, whether a host framework counts one device per
+    #: process (Horovod's convention, ``Trainer(devices=1)``) rather than the
+    #: workers on each machine.
+    one_device_per_process: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.allreduce_ is Engine.allreduce_ and cls.allreduce_async_ is Engine.allreduce_async_:
+            raise TypeError(
+                f"{cls.__name__} must override allreduce_ or allreduce_async_: "
+                f"each default is written with the other"
+            )
+
     def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         self._timeout = timeout
+        # Shared with channels: a failure on any of them marks the engine broken.
+        self._health = _Health()
+        #: Where every worker lives, ``(host, pid)`` by rank, once
+        #: :meth:`_learn_peers` ran: to name the lost ones when a collective fails.
+        self._peers: list[tuple[str, int]] = []
 
     @staticmethod
     def detected() -> bool:
@@ -98,8 +154,34 @@ class Engine(abc.ABC):
     #: The transport's exceptions that mean a collective failed.
     _transport_errors: ClassVar[tuple[type[Exception], ...]] = (RuntimeError,)
 
+    # -- liveness of peers, for messages
+
+    def _learn_peers(self) -> None:
+        """Record where every worker lives (a collective, made once at start)."""
+        self._peers = self.allgather_object((socket.gethostname(), os.getpid()))
+
+    def lost_workers(self, grace: float = 0.0) -> list[str]:
+        """Workers on this machine whose process has exited, described for a message.
+
+        Peers on other machines cannot be checked from here; losing one shows
+        as the time-out. ``grace`` keeps looking (every 0.1 s) for a peer still
+        tearing down; ``0`` looks once, which is what a check on a healthy
+        path wants. Empty for an engine that never learnt where its peers are.
+        """
+        here = socket.gethostname()
+        local = [(r, pid) for r, (host, pid) in enumerate(self._peers) if host == here]
+        deadline = time.monotonic() + grace
+        while True:
+            lost = [f"worker {r} (pid {pid})" for r, pid in local if not process_is_alive(pid)]
+            if lost or not local or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.1)
+
     def _diagnosis(self) -> str:
         """What probably went wrong, for the message of a failed collective."""
+        lost = self.lost_workers(grace=_TEARDOWN_GRACE_S)
+        if lost:
+            return describe_lost(lost)
         return "a worker died, hung or took another path through the code"
 
     @contextmanager
@@ -110,6 +192,7 @@ class Engine(abc.ABC):
         except PyroDistributedError:
             raise
         except self._transport_errors as exc:
+            self._health.failed = True
             raise PyroDistributedError(
                 f"{what} failed on worker {self.rank} of {self.world_size}: "
                 f"{self._diagnosis()} ({self.name} engine, time-out "
@@ -131,38 +214,35 @@ class Engine(abc.ABC):
     def world_size(self) -> int:
         """How many workers take part."""
 
-    @abc.abstractmethod
     def allreduce_(
         self, tensors: Sequence[Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
     ) -> None:
         """Reduce each tensor across workers, in place.
 
-        All tensors are sent together (fused or issued asynchronously), so a
-        call costs one round trip, not one per tensor. ``names``, if given,
-        name the collectives for engines that match tensors by name.
+        All tensors are sent together, so a call costs one round trip, not one
+        per tensor. ``names``, if given, name the collectives for engines that
+        match tensors by name. This default starts every reduction with
+        :meth:`allreduce_async_` and then waits for them all, so that the
+        transport can pipeline them (Horovod's background thread fuses what is
+        pending into one buffer per cycle); an engine overrides one of the two.
         """
-
-    def allreduce_async_(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Pending:
-        """Start reducing ``tensor`` in place; the result is there after ``wait()``.
-
-        Started collectives still pair up across workers in the order they
-        were started (or, for engines that match by name, by ``name``). This
-        default finishes at once; engines that can overlap override it.
-        """
-        self.allreduce_([tensor], op, [name] if name else ())
-        return _Finished()
-
-    def _allreduce_started(
-        self, tensors: Sequence[Tensor], op: ReduceOp, names: Sequence[str]
-    ) -> None:
-        """:meth:`allreduce_` for engines whose :meth:`allreduce_async_` really
-        starts a collective: start them all, then wait, so they can pipeline."""
         pending = [
             self.allreduce_async_(tensor, op, name)
             for tensor, name in zip(tensors, list(names) or [""] * len(tensors), strict=True)
         ]
         for started in pending:
             started.wait()
+
+    def allreduce_async_(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Pending:
+        """Start reducing ``tensor`` in place; the result is there after ``wait()``.
+
+        Started collectives still pair up across workers in the order they
+        were started (or, for engines that match by name, by ``name``). This
+        default finishes at once, through :meth:`allreduce_`; engines that can
+        overlap override it.
+        """
+        self.allreduce_([tensor], op, [name] if name else ())
+        return _Finished()
 
     def open_channel(self) -> Engine:
         """An engine on the same workers whose collectives pair up independently of this one's.
@@ -192,3 +272,8 @@ class Engine(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size}>"
+
+
+def describe_lost(lost: Sequence[str]) -> str:
+    """``"worker 1 (pid 42) has exited"``, for one lost worker or several."""
+    return f"{', '.join(lost)} {'has' if len(lost) == 1 else 'have'} exited"

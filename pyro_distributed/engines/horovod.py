@@ -59,6 +59,11 @@ class HorovodEngine(Engine):
     """
 
     name = "horovod"
+    #: ``horovodrun`` may itself run on MPI, whose launcher variables it then
+    #: sets too: Horovod asks first.
+    detection_priority = 30
+    launches_own_workers = True
+    one_device_per_process = True
     _transport_errors = (RuntimeError, ValueError)
 
     @staticmethod
@@ -113,13 +118,6 @@ class HorovodEngine(Engine):
         # advances identically on every worker keeps names unique and equal.
         self._calls += 1
         return f"pyro_distributed.{what}.{self._calls}"
-
-    def allreduce_(
-        self, tensors: Sequence[Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
-    ) -> None:
-        # Started together: Horovod's background thread fuses whatever is
-        # pending into one buffer per cycle.
-        self._allreduce_started(tensors, op, names)
 
     def allreduce_async_(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Pending:
         # Horovod pairs collectives by name, so no separate channel is needed.

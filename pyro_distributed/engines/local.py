@@ -27,6 +27,13 @@ class LocalEngine(Engine):
     """World size 1. Reductions and broadcasts leave tensors as they are."""
 
     name = "local"
+    #: Asked last, and always there: one plain process.
+    detection_priority = -1
+
+    @staticmethod
+    def detected() -> bool:
+        """Always: what ``engine="auto"`` falls back to when no launcher is found."""
+        return True
 
     @property
     def rank(self) -> int:

@@ -8,9 +8,11 @@ about a hundred times cheaper than gloo's (``benchmarks/README.md``).
 Design:
 
 * **Zero copy.** A contiguous CPU tensor is handed to MPI by address and
-  length, so MPI reads and writes the tensor's own memory; nothing is copied
-  and no NumPy or DLPack object is made per call. float16 and bfloat16, which
-  MPI cannot add, are summed in float32 and rounded back once.
+  length, so MPI reads and writes the tensor's own memory
+  (:mod:`~pyro_distributed.engines.mpi_buffers`, which also stages CUDA
+  tensors through the host where the MPI library cannot take them). float16
+  and bfloat16, which MPI cannot add, are summed in float32 and rounded back
+  once.
 * **Bounded waits.** MPI itself waits forever for a peer that hangs or dies.
   Every collective here is non-blocking (``Iallreduce``, ``Ibcast``,
   ``Iallgatherv``, ``Ibarrier``, ``Idup``) and waited for by testing it
@@ -30,10 +32,6 @@ Design:
 * **Channels.** Collectives pair up in the order they are started on one
   communicator. :meth:`MPIEngine.open_channel` duplicates the communicator,
   so collectives started from backward hooks never pair with other ones.
-* **GPU tensors (untested: no GPU on the development machines).** If the MPI
-  library reports CUDA among its memory kinds (MPI 4.1's
-  ``mpi_memory_alloc_kinds``), CUDA tensors are handed to MPI as they are;
-  otherwise they are staged through pinned host memory, with one warning.
 """
 
 from __future__ import annotations
@@ -41,10 +39,8 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
-import socket
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import ModuleType
@@ -54,7 +50,8 @@ import torch
 from torch import Tensor
 
 from ..errors import PyroDistributedError
-from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp, process_is_alive
+from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp, describe_lost
+from .mpi_buffers import MPIBuffers, library_takes_cuda
 
 __all__ = ["INSTALL_HINT", "MPIEngine", "import_mpi"]
 
@@ -93,12 +90,6 @@ def _slurm_step() -> bool:
     ``python train.py`` is one process and must stay local.
     """
     return "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1
-
-
-class _Health:
-    """Whether any collective of an engine or its channels has failed (shared with channels)."""
-
-    failed = False
 
 
 class _MPIPending(Pending):
@@ -148,6 +139,9 @@ class MPIEngine(Engine):
     """
 
     name = "mpi"
+    #: Asked after Horovod and torch, whose launchers' environments can sit inside MPI's.
+    detection_priority = 10
+    launches_own_workers = True
 
     @staticmethod
     def detected() -> bool:
@@ -162,21 +156,9 @@ class MPIEngine(Engine):
     ) -> None:
         super().__init__(timeout)
         self.MPI = MPI = import_mpi()
-        self._health = _Health()
-        self._staging_announced = False
-        self._types = {
-            torch.float32: MPI.FLOAT,
-            torch.float64: MPI.DOUBLE,
-            torch.int64: MPI.INT64_T,
-            torch.int32: MPI.INT32_T,
-            torch.int16: MPI.INT16_T,
-            torch.int8: MPI.INT8_T,
-            torch.uint8: MPI.UINT8_T,
-        }
         self._ops = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX}
         parent = MPI.COMM_WORLD if comm is None else comm
         self._rank, self._world_size = parent.Get_rank(), parent.Get_size()
-        self._peers: list[tuple[str, int]] = []
         self._comm = self._duplicate(parent, "starting the mpi engine")
         # Split_type has no non-blocking form. The barrier proves every peer
         # has got this far (bounded), so the split cannot wait for an absent one.
@@ -184,9 +166,9 @@ class MPIEngine(Engine):
         node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._rank)
         self._local_rank = node.Get_rank()
         node.Free()
-        self._cuda_aware = self._library_takes_cuda() if cuda_aware is None else cuda_aware
-        # Where every worker lives, to name the lost ones when a collective fails.
-        self._peers = self.allgather_object((socket.gethostname(), os.getpid()))
+        takes_cuda = library_takes_cuda(self._comm) if cuda_aware is None else cuda_aware
+        self._memory = MPIBuffers(MPI, takes_cuda)
+        self._learn_peers()
 
     # --- where this worker stands ------------------------------------------------------------
 
@@ -205,15 +187,7 @@ class MPIEngine(Engine):
     @property
     def cuda_aware(self) -> bool:
         """Whether CUDA tensors go to MPI as they are (else through pinned host memory)."""
-        return self._cuda_aware
-
-    def _library_takes_cuda(self) -> bool:
-        info = self._comm.Get_info()
-        try:
-            kinds = info.Get("mpi_memory_alloc_kinds") or ""
-        finally:
-            info.Free()
-        return any(kind.split(":")[0] == "cuda" for kind in kinds.split(","))
+        return self._memory.cuda_aware
 
     # --- waiting with a deadline -------------------------------------------------------------
 
@@ -231,7 +205,7 @@ class MPIEngine(Engine):
                 if now >= next_look:
                     lost = self.lost_workers()
                     if lost:
-                        self._fail(what, f"{', '.join(lost)} {_has(lost)} exited")
+                        self._fail(what, describe_lost(lost))
                     next_look = now + _LIVENESS_INTERVAL
                 if now >= deadline:
                     self._fail(
@@ -253,93 +227,26 @@ class MPIEngine(Engine):
             f"aborts it with MPI_Abort."
         )
 
-    def _diagnosis(self) -> str:
-        # An MPI error (the library noticed a failed peer itself).
-        self._health.failed = True
-        lost = self.lost_workers(grace=2.0)
-        if not lost:
-            return super()._diagnosis()
-        return f"{', '.join(lost)} {_has(lost)} exited"
-
-    def lost_workers(self, grace: float = 0.0) -> list[str]:
-        """Workers on this machine whose process has exited, described for a message.
-
-        Peers on other machines cannot be checked from here; losing one shows
-        as the time-out. ``grace`` keeps looking, for a peer still tearing down.
-        """
-        here = socket.gethostname()
-        local = [(r, pid) for r, (host, pid) in enumerate(self._peers) if host == here]
-        deadline = time.monotonic() + grace
-        while True:
-            lost = [f"worker {r} (pid {pid})" for r, pid in local if not process_is_alive(pid)]
-            if lost or time.monotonic() >= deadline:
-                return lost
-            time.sleep(0.1)
-
     def _duplicate(self, comm: Any, what: str) -> Any:
         duplicate, request = comm.Idup()
         self._wait(request, what)
         return duplicate
 
-    # --- buffers -----------------------------------------------------------------------------
-
-    def _buffer(self, tensor: Tensor, datatype: Any = None) -> list[Any]:
-        """An MPI buffer over ``tensor``'s own memory (contiguous, on a device MPI can read)."""
-        nbytes = tensor.numel() * tensor.element_size()
-        memory = self.MPI.buffer.fromaddress(tensor.data_ptr(), nbytes)
-        if datatype is None:
-            return [memory, nbytes, self.MPI.BYTE]
-        return [memory, tensor.numel(), datatype]
-
-    def _datatype(self, dtype: torch.dtype) -> Any:
-        if dtype not in self._types:
-            raise TypeError(f"the mpi engine cannot reduce tensors of dtype {dtype}")
-        return self._types[dtype]
-
-    def _on_host(self, tensor: Tensor, what: str) -> tuple[Tensor, Callable[[], None] | None]:
-        """A contiguous tensor MPI can read and write, and what copies its result back."""
-        device = tensor.device.type
-        if device == "cuda":
-            # Untested here: no GPU on the development machines.
-            torch.cuda.current_stream(tensor.device).synchronize()  # the values must be written
-            if self._cuda_aware:
-                return _contiguous(tensor)
-            if not self._staging_announced:
-                self._staging_announced = True
-                warnings.warn(
-                    "this MPI library does not take CUDA buffers: the mpi engine copies CUDA "
-                    "tensors through pinned host memory (an MPI built with CUDA support avoids "
-                    "the copies)",
-                    stacklevel=4,
-                )
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor)
-            return host, _copier(tensor, host)
-        if device != "cpu":
-            raise PyroDistributedError(
-                f"{what}: a {device} tensor cannot travel on the mpi engine, which carries "
-                f"CPU and CUDA tensors; move it to the CPU first"
-            )
-        return _contiguous(tensor)
-
     # --- collectives -------------------------------------------------------------------------
-
-    def allreduce_(
-        self, tensors: Sequence[Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
-    ) -> None:
-        self._allreduce_started(tensors, op, names)
 
     def allreduce_async_(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Pending:
         if op not in self._ops:
             raise ValueError(f"the mpi engine has no reduction {op!r}")
         what = f"allreduce ({op}) of {name or 'a tensor'}"
-        work, copy_back = self._on_host(tensor, what)
+        work, copy_back = self._memory.on_host(tensor, what)
         narrow = work.dtype in (torch.float16, torch.bfloat16)
         # MPI has no half-precision sum: add in float32 and round once.
         wire = work.float() if narrow else work
         with self._collective(what):
             request = self._comm.Iallreduce(
-                self.MPI.IN_PLACE, self._buffer(wire, self._datatype(wire.dtype)), self._ops[op]
+                self.MPI.IN_PLACE,
+                self._memory.buffer(wire, self._memory.datatype(wire.dtype)),
+                self._ops[op],
             )
 
         def finish() -> None:
@@ -368,9 +275,11 @@ class MPIEngine(Engine):
                 f"broadcast source {src} does not exist: world size is {self._world_size}"
             )
         what = f"broadcast from worker {src} of {len(tensors)} tensor(s)"
-        staged = [self._on_host(tensor, what) for tensor in tensors]
+        staged = [self._memory.on_host(tensor, what) for tensor in tensors]
         with self._collective(what):
-            requests = [self._comm.Ibcast(self._buffer(work), root=src) for work, _ in staged]
+            requests = [
+                self._comm.Ibcast(self._memory.buffer(work), root=src) for work, _ in staged
+            ]
         for request in requests:
             self._wait(request, what)
         for _, copy_back in staged:
@@ -385,7 +294,7 @@ class MPIEngine(Engine):
         sizes = torch.zeros(self._world_size, dtype=torch.int64)
         with self._collective(what):
             request = self._comm.Iallgather(
-                self._buffer(mine, MPI.INT64_T), [self._buffer(sizes)[0], MPI.INT64_T]
+                self._memory.buffer(mine, MPI.INT64_T), [self._memory.buffer(sizes)[0], MPI.INT64_T]
             )
         self._wait(request, what)
         counts = sizes.tolist()
@@ -429,21 +338,3 @@ class MPIEngine(Engine):
             sys.stderr.flush()
             self._comm.Abort(1)
         self._comm.Free()
-
-
-def _contiguous(tensor: Tensor) -> tuple[Tensor, Callable[[], None] | None]:
-    if tensor.is_contiguous():
-        return tensor, None
-    dense = tensor.contiguous()
-    return dense, _copier(tensor, dense)
-
-
-def _copier(destination: Tensor, source: Tensor) -> Callable[[], None]:
-    def copy_back() -> None:
-        destination.copy_(source)
-
-    return copy_back
-
-
-def _has(lost: list[str]) -> str:
-    return "has" if len(lost) == 1 else "have"

@@ -13,9 +13,7 @@ the transport can pipeline them; every wait is bounded by the time-out.
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import time
 from collections.abc import Sequence
 from contextlib import suppress
 from datetime import timedelta
@@ -28,19 +26,13 @@ from torch.distributed.rendezvous import rendezvous
 
 from ..errors import PyroDistributedError
 from ..torch_internals import PrefixStore
-from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp, process_is_alive
+from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
 
 __all__ = ["TorchEngine"]
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
-class _Health:
-    """Whether any collective of an engine or its channels has failed."""
-
-    failed = False
 
 
 class _TorchPending(Pending):
@@ -61,6 +53,9 @@ class TorchEngine(Engine):
     """Collectives on a torch.distributed process group."""
 
     name = "torch"
+    #: Under ``mpiexec``, a torch process group (Lightning's ``MPIEnvironment``
+    #: makes one) wins over the MPI engine.
+    detection_priority = 20
 
     @staticmethod
     def detected() -> bool:
@@ -89,13 +84,9 @@ class TorchEngine(Engine):
         self._world_size = dist.get_world_size()
         self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
         self._backend = str(dist.get_backend())
-        self._peers: list[tuple[str, int]] = []
-        # Shared with channels: a failure on any of them skips shutdown's barrier.
-        self._health = _Health()
         self._cpu_group = self._group_for_cpu_tensors()
         self._cuda_group: Any = None  # the default group, when it has NCCL
-        # Where every worker lives, to name the lost ones when a collective fails.
-        self._peers = self.allgather_object((socket.gethostname(), os.getpid()))
+        self._learn_peers()
 
     def _join_group(self, timeout: timedelta) -> None:
         """Join the group torchrun describes, with keys unique to this restart.
@@ -158,33 +149,6 @@ class TorchEngine(Engine):
             f"CPU, or use a group with NCCL for CUDA tensors: pyro_distributed picks "
             f"'cpu:gloo,cuda:nccl' itself when CUDA is available."
         )
-
-    def lost_workers(self, grace: float = 2.0) -> list[str]:
-        """Workers on this machine whose process has exited, described for a message.
-
-        A peer that raised may still be tearing down when its connection
-        drops, so look again for up to ``grace`` seconds before giving up.
-        """
-        here = socket.gethostname()
-        local = [(r, pid) for r, (host, pid) in enumerate(self._peers) if host == here]
-        deadline = time.monotonic() + grace
-        while True:
-            lost = [f"worker {r} (pid {pid})" for r, pid in local if not process_is_alive(pid)]
-            if lost or time.monotonic() > deadline:
-                return lost
-            time.sleep(0.1)
-
-    def _diagnosis(self) -> str:
-        self._health.failed = True
-        lost = self.lost_workers()
-        if not lost:
-            return super()._diagnosis()
-        return f"{', '.join(lost)} {'has' if len(lost) == 1 else 'have'} exited"
-
-    def allreduce_(
-        self, tensors: Sequence[Tensor], op: ReduceOp = "sum", names: Sequence[str] = ()
-    ) -> None:
-        self._allreduce_started(tensors, op, names)
 
     def allreduce_async_(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Pending:
         if op not in _REDUCE_OPS:

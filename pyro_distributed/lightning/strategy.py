@@ -49,7 +49,7 @@ from .. import runtime
 from ..checks import check_bool
 from ..data.shards import ShardSampler
 from ..data.subsample import shard_subsamples
-from ..engines import ENGINE_NAMES, Engine
+from ..engines import ENGINE_NAMES, Engine, engine_class
 from ..errors import PyroDistributedError
 from ..local.sparse import check_local_updates
 from ..optim.torch_optimizer import DistributedTorchOptimizer
@@ -57,10 +57,6 @@ from . import checkpoints, collectives, internals
 from .data import EvaluationSampler, is_plain_sampler
 
 __all__ = ["PyroDistributedStrategy"]
-
-# Engines whose launcher (horovodrun, mpiexec) starts every worker and that
-# need no torch process group.
-_OWN_WORKERS = ("horovod", "mpi")
 
 
 class PyroDistributedStrategy(DDPStrategy):
@@ -198,8 +194,12 @@ class PyroDistributedStrategy(DDPStrategy):
             )
         return self._engine
 
+    @property
+    def _launcher_starts_workers(self) -> bool:  # horovodrun, mpiexec: no torch process group
+        return self._engine_name != "auto" and engine_class(self._engine_name).launches_own_workers
+
     def _configure_launcher(self) -> None:
-        if self._engine_name in _OWN_WORKERS:
+        if self._launcher_starts_workers:
             self._launcher = None  # horovodrun or mpiexec started every worker itself
         else:
             super()._configure_launcher()
@@ -209,13 +209,13 @@ class PyroDistributedStrategy(DDPStrategy):
         or, with ``engine="horovod"`` or ``"mpi"``, the launcher's workers on
         that engine and no torch process group."""
         assert self.cluster_environment is not None
-        if self._engine_name not in _OWN_WORKERS:
+        if not self._launcher_starts_workers:
             if self.cluster_environment.creates_processes_externally:
                 self._check_devices(self.cluster_environment.world_size())
             super().setup_environment()  # calls setup_distributed()
             return
         self._engine = runtime.init(self._engine_name)
-        if self._engine_name == "mpi":  # Horovod's convention is devices=1 per process
+        if not self._engine.one_device_per_process:
             self._check_devices(self._engine.world_size)
         super(DDPStrategy, self).setup_environment()  # the device alone
         self.cluster_environment.set_world_size(self._engine.world_size)

@@ -298,6 +298,7 @@ TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "
         ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4"}, "mpi"),  # srun -n 4
         ({"SLURM_PROCID": "0"}, "local"),  # a batch script's one process
         ({"PMI_RANK": "0", **TORCHRUN}, "torch"),  # torchrun's variables win: the user chose torch
+        ({"PMI_RANK": "0", "HOROVOD_RANK": "0"}, "horovod"),  # horovodrun running on MPI
     ],
 )
 def test_auto_detection_reads_the_launchers_environment(

@@ -1,0 +1,75 @@
+"""What every engine inherits: the one default of allreduce_, the liveness of peers, and
+what an engine class says about itself (detection order, who starts the workers)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from pyro_distributed.engines import ENGINE_NAMES, Engine, engine_class
+from pyro_distributed.engines.local import LocalEngine
+
+
+def test_an_engine_with_neither_allreduce_is_refused_when_the_class_is_made() -> None:
+    with pytest.raises(TypeError, match="Silent must override allreduce_ or allreduce_async_"):
+
+        class Silent(Engine):  # each default is written with the other: it would recurse
+            name = "silent"
+            rank = local_rank = 0  # type: ignore[assignment]
+            world_size = 1  # type: ignore[assignment]
+
+            def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None: ...
+
+            def allgather_object(self, obj: Any) -> list[Any]:
+                return [obj]
+
+            def barrier(self) -> None: ...
+
+            def shutdown(self) -> None: ...
+
+
+def test_every_engine_class_says_how_it_is_detected_and_who_starts_its_workers() -> None:
+    classes = {name: engine_class(name) for name in ENGINE_NAMES}
+    assert {name: cls.name for name, cls in classes.items()} == {name: name for name in classes}
+    # The launcher whose environment can sit inside another's is asked first.
+    order = sorted(classes, key=lambda name: -classes[name].detection_priority)
+    assert order == ["horovod", "torch", "mpi", "local"]
+    assert [n for n, c in classes.items() if c.launches_own_workers] == ["horovod", "mpi"]
+    assert [n for n, c in classes.items() if c.one_device_per_process] == ["horovod"]
+
+
+def exited_pid() -> int:
+    """The pid of a child process that has exited and been reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_lost_workers_names_a_peer_on_this_machine_whose_process_exited() -> None:
+    engine = LocalEngine()
+    here = socket.gethostname()
+    pid = exited_pid()
+    engine._peers = [(here, os.getpid()), (here, pid), ("elsewhere", pid)]
+    assert engine.lost_workers() == [f"worker 1 (pid {pid})"]  # not the one on another machine
+
+
+def test_lost_workers_looks_once_without_grace_and_not_at_all_without_peers_here() -> None:
+    engine = LocalEngine()
+    start = time.monotonic()
+    assert engine.lost_workers(grace=30.0) == []  # never learnt where its peers are
+    engine._peers = [("elsewhere", 1)]
+    assert engine.lost_workers(grace=30.0) == []  # none on this machine to look at
+    engine._learn_peers()  # itself, alive
+    assert engine.lost_workers() == []  # one look, no wait
+    assert time.monotonic() - start < 5
+    start = time.monotonic()
+    assert engine.lost_workers(grace=0.3) == []
+    assert time.monotonic() - start >= 0.3  # kept looking for the grace it was given
