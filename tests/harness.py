@@ -9,7 +9,8 @@ of them when any worker fails, dies or overruns the time limit.
 
 With ``engine="mpi"`` (or :data:`DEFAULT_ENGINE` set to it, as
 ``tests/test_mpi.py`` does to run other files' tests on MPI) the workers are
-started by the real ``mpiexec`` instead, through ``tests/mpi_runner.py``.
+started by the real ``mpiexec`` instead, through ``tests/launched_runner.py``
+(:func:`run_under_launcher`, which also starts ``horovodrun``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -157,53 +163,19 @@ def run_workers(
     return [results[rank] for rank in range(world_size)]
 
 
-def run_under_horovodrun(
-    scenarios: list[tuple[str, Callable[..., Any], tuple[Any, ...]]],
-    *,
-    world_size: int = 2,
-    timeout: float = 300.0,
-) -> dict[str, list[Any]]:
-    """Run each ``(name, fn, args)`` on every worker of one real ``horovodrun --gloo``.
-
-    Returns, by scenario name, the workers' results by rank. A scenario that
-    failed on any worker maps to a :class:`WorkerFailure` instead, which the
-    test that owns it raises; every worker's traceback is in it.
-    """
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    horovodrun = Path(sys.executable).parent / "horovodrun"
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = Path(tmp) / "scenarios.pkl"
-        spec.write_bytes(
-            pickle.dumps(
-                [(name, f"{fn.__module__}:{fn.__name__}", args) for name, fn, args in scenarios]
-            )
-        )
-        command = [
-            str(horovodrun), "--gloo", "-np", str(world_size), "-H", f"localhost:{world_size}",
-            sys.executable, "-m", "tests.horovod_runner", str(spec), tmp,
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-        try:
-            done = subprocess.run(
-                command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
-            )
-            output = f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-            log = f"horovodrun exit code {done.returncode}\n{output}"
-        except subprocess.TimeoutExpired as exc:
-            log = f"horovodrun did not finish within {timeout:g} s\n{exc.stdout!r}"
-        per_rank = []
-        for rank in range(world_size):
-            path = Path(tmp) / f"rank{rank}.pkl"
-            per_rank.append(pickle.loads(path.read_bytes()) if path.exists() else {})
-    return _outcomes(scenarios, per_rank, log)
+def _launcher(engine: str, world_size: int) -> list[str]:
+    """The real launcher that starts ``world_size`` workers for ``engine``, as users run it."""
+    here = Path(sys.executable).parent
+    if engine == "mpi":
+        return [str(here / "mpiexec"), "-n", str(world_size)]
+    if engine == "horovod":
+        hosts = f"localhost:{world_size}"
+        return [str(here / "horovodrun"), "--gloo", "-np", str(world_size), "-H", hosts]
+    raise ValueError(f"no launcher for engine {engine!r}: 'mpi' or 'horovod'")
 
 
-def run_under_mpiexec(
+def run_under_launcher(
+    engine: str,
     scenarios: list[tuple[str, Callable[..., Any], tuple[Any, ...]]],
     *,
     world_size: int = 2,
@@ -211,22 +183,20 @@ def run_under_mpiexec(
     crash_on_error: bool = False,
     engine_timeout: float = ENGINE_TIMEOUT,
 ) -> dict[str, Any]:
-    """Run each ``(name, fn, args)`` on every worker of one real ``mpiexec -n world_size``.
+    """Run each ``(name, fn, args)`` on every worker of one launch of ``engine``'s real
+    launcher (``mpiexec -n world_size`` for ``"mpi"``, ``horovodrun --gloo`` for
+    ``"horovod"``), through ``tests/launched_runner.py``.
 
-    Returns what :func:`run_under_horovodrun` returns. With ``crash_on_error``
-    a worker whose scenario raised exits at once, as a crashing script would;
-    mpiexec then ends the job (its peers report nothing), instead of leaving
-    them to wait out the engine's time-out. The whole launch (``mpiexec`` and
-    every worker, in a process group of their own) is killed after ``timeout``.
+    Returns, by scenario name, the workers' results by rank. A scenario that
+    failed on any worker maps to a :class:`WorkerFailure` instead, which the
+    test that owns it raises; every worker's traceback is in it. With
+    ``crash_on_error`` a worker whose scenario raised exits at once, as a
+    crashing script would; the launcher then ends the job (its peers report
+    nothing), instead of leaving them to wait out the engine's time-out. The
+    whole launch (the launcher and every worker, in a process group of their
+    own) is killed after ``timeout``.
     """
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
     root = Path(__file__).resolve().parent.parent
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "scenarios.pkl"
         spec.write_bytes(
@@ -235,8 +205,8 @@ def run_under_mpiexec(
             )
         )
         command = [
-            str(mpiexec), "-n", str(world_size),
-            sys.executable, "-m", "tests.mpi_runner", str(spec), tmp,
+            *_launcher(engine, world_size),
+            sys.executable, "-m", "tests.launched_runner", engine, str(spec), tmp,
         ]  # fmt: skip
         env = {
             **os.environ,
@@ -254,13 +224,14 @@ def run_under_mpiexec(
             text=True,
             start_new_session=True,
         )
+        name = Path(command[0]).name
         try:
             stdout, stderr = process.communicate(timeout=timeout)
-            log = f"mpiexec exit code {process.returncode}\n{stdout[-4000:]}\n{stderr[-4000:]}"
+            log = f"{name} exit code {process.returncode}\n{stdout[-4000:]}\n{stderr[-4000:]}"
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             stdout, stderr = process.communicate()
-            log = f"mpiexec did not finish within {timeout:g} s\n{stdout[-2000:]}\n{stderr[-2000:]}"
+            log = f"{name} did not finish within {timeout:g} s\n{stdout[-2000:]}\n{stderr[-2000:]}"
         per_rank = []
         for rank in range(world_size):
             path = Path(tmp) / f"rank{rank}.pkl"
@@ -299,7 +270,9 @@ class HorovodSuites:
         """Scenario ``name``'s results by rank; raises its WorkerFailure if it failed."""
         key = (suite, world_size)
         if key not in self.launched:
-            self.launched[key] = run_under_horovodrun(self.suites[suite], world_size=world_size)
+            self.launched[key] = run_under_launcher(
+                "horovod", self.suites[suite], world_size=world_size
+            )
         result = self.launched[key][name]
         if isinstance(result, WorkerFailure):
             raise result
@@ -311,8 +284,8 @@ def _run_once_under_mpiexec(
     fn: Callable[..., Any], args: tuple[Any, ...], world_size: int, timeout: float
 ) -> list[Any]:
     """:func:`run_workers` on the mpi engine: one ``mpiexec`` launch for one call."""
-    result = run_under_mpiexec(
-        [("call", fn, args)], world_size=world_size, timeout=timeout, crash_on_error=True
+    result = run_under_launcher(
+        "mpi", [("call", fn, args)], world_size=world_size, timeout=timeout, crash_on_error=True
     )["call"]
     if isinstance(result, WorkerFailure):
         raise result

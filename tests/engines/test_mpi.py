@@ -40,7 +40,7 @@ from .. import harness, test_examples, test_faults, test_runtime, test_semantics
 from ..checkpoint import test_param_store
 from ..evaluation import test_loss, test_predictive
 from ..exchange import test_agreement, test_averager, test_compression, test_overlap
-from ..harness import WorkerFailure, run_under_mpiexec
+from ..harness import WorkerFailure, run_under_launcher
 from ..local import test_blocks, test_ownership
 from ..optim import test_consistency, test_noise_scale, test_schedulers
 
@@ -219,7 +219,7 @@ SCENARIOS: list[tuple[str, Any, tuple[Any, ...]]] = [
 
 @functools.cache
 def results_at(world_size: int) -> dict[str, Any]:
-    return run_under_mpiexec(SCENARIOS, world_size=world_size, timeout=120)
+    return run_under_launcher("mpi", SCENARIOS, world_size=world_size, timeout=120)
 
 
 def outcome(name: str, world_size: int) -> list[Any]:

@@ -21,7 +21,7 @@ from pyro.infer.autoguide import AutoNormal
 import pyro_distributed as pd
 
 from ..checkpoint.test_param_store import assert_same_state
-from ..harness import WorkerFailure, run_under_horovodrun, run_workers
+from ..harness import WorkerFailure, run_under_launcher, run_workers
 from .test_ownership import data, model
 from .test_sparse import STEPS, plates
 from .test_sparse_torch import trained
@@ -52,7 +52,7 @@ def torch_path() -> dict[str, Any]:
 
 
 def test_sparse_steps_under_horovodrun_equal_the_torch_engines_bitwise() -> None:
-    outcome = run_under_horovodrun([("pyro", pyro_path, ()), ("torch", torch_path, ())])
+    outcome = run_under_launcher("horovod", [("pyro", pyro_path, ()), ("torch", torch_path, ())])
     for name, fn in (("pyro", pyro_path), ("torch", torch_path)):
         result = outcome[name]
         if isinstance(result, WorkerFailure):

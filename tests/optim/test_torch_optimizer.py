@@ -16,7 +16,7 @@ from pyro.nn import PyroModule
 import pyro_distributed as pd
 from pyro_distributed.optim.torch_optimizer import DistributedTorchOptimizer
 
-from ..harness import WorkerFailure, run_under_horovodrun, run_workers
+from ..harness import WorkerFailure, run_under_launcher, run_workers
 
 
 def small_net(seed: int) -> torch.nn.Module:
@@ -442,7 +442,7 @@ HOROVOD_SCENARIOS: list[tuple[str, Any, tuple[Any, ...]]] = [
 
 @pytest.mark.horovod
 def test_the_torch_front_end_and_ownership_under_horovodrun() -> None:
-    outcome = run_under_horovodrun(HOROVOD_SCENARIOS)
+    outcome = run_under_launcher("horovod", HOROVOD_SCENARIOS)
     for result in outcome.values():
         if isinstance(result, WorkerFailure):
             raise result

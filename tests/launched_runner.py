@@ -1,13 +1,14 @@
-"""Worker entry point for tests under the real ``mpiexec``.
+"""Worker entry point for tests under a real launcher (``mpiexec``, ``horovodrun``).
 
-``python -m tests.mpi_runner SCENARIOS OUT_DIR`` runs, on every worker that
-mpiexec starts, each scenario in the pickled list ``SCENARIOS`` (a list of
-``(name, "module:function", args)``), in order, on the mpi engine, and writes
-this worker's results to ``OUT_DIR/rank<N>.pkl`` after each one, so that
-whatever finished survives a later crash. A scenario's result is
-``("ok", value)`` or ``("error", traceback)``.
+``python -m tests.launched_runner ENGINE SCENARIOS OUT_DIR`` runs, on every
+worker that the launcher starts, each scenario in the pickled list
+``SCENARIOS`` (a list of ``(name, "module:function", args)``), in order, on
+the engine called ``ENGINE``, and writes this worker's results to
+``OUT_DIR/rank<N>.pkl`` after each one, so that whatever finished survives a
+later crash. A scenario's result is ``("ok", value)`` or ``("error",
+traceback)``.
 
-Set by :func:`tests.harness.run_under_mpiexec` in the environment:
+Set by :func:`tests.harness.run_under_launcher` in the environment:
 ``TEST_ENGINE_TIMEOUT`` (seconds) and ``TEST_CRASH_ON_ERROR``: when set, a
 worker whose scenario raised leaves at once, without a goodbye, as a crashing
 script would, so that its peers show how they notice a lost worker.
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 
-def main(scenarios_path: str, out_dir: str) -> None:
+def main(engine: str, scenarios_path: str, out_dir: str) -> None:
     import pyro
     import torch
 
@@ -34,7 +35,7 @@ def main(scenarios_path: str, out_dir: str) -> None:
     with open(scenarios_path, "rb") as file:
         scenarios = pickle.load(file)
     crash_on_error = bool(os.environ.get("TEST_CRASH_ON_ERROR"))
-    pyro_distributed.init("mpi", timeout=float(os.environ.get("TEST_ENGINE_TIMEOUT", "30")))
+    pyro_distributed.init(engine, timeout=float(os.environ.get("TEST_ENGINE_TIMEOUT", "30")))
     out = Path(out_dir) / f"rank{pyro_distributed.rank()}.pkl"
     results: dict[str, tuple[str, Any]] = {}
     for name, target, args in scenarios:
