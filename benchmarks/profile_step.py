@@ -22,6 +22,8 @@ import argparse
 import json
 import resource
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from svi_worker import OPTIMS, prepare, workload_name
@@ -35,6 +37,21 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def time_steps(
+    training: Any, steps: int, warmup: int, at_start: Callable[[], None] = lambda: None
+) -> tuple[float, float]:
+    """Wall and CPU seconds of ``steps`` steps, after ``warmup`` untimed ones and a
+    barrier; ``at_start`` runs just before the clock starts."""
+    for _ in range(warmup):
+        training.step()
+    pyro_distributed.barrier()
+    at_start()
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    for _ in range(steps):
+        training.step()
+    return time.perf_counter() - wall, cpu_seconds() - cpu
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--workload", type=workload_name, required=True)
@@ -46,14 +63,7 @@ def main() -> None:
     args = parser.parse_args()
 
     training = prepare(args.workload, args.optim, {})
-
-    for _ in range(args.warmup):
-        training.step()
-    pyro_distributed.barrier()
-    wall, cpu = time.perf_counter(), cpu_seconds()
-    for _ in range(args.steps):
-        training.step()
-    wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
+    wall, cpu = time_steps(training, args.steps, args.warmup)
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         for _ in range(args.profiled_steps):

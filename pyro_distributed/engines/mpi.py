@@ -25,10 +25,14 @@ Design:
   the whole job with ``MPI_Abort``: ``mpirun`` exits non-zero instead of
   hanging in a peer's collective or in ``MPI_Finalize``. A script that dies
   of an uncaught exception aborts the job the same way.
-* **Polling.** A waiting worker tests its request in a loop, yielding the
-  core at each test after the first 0.2 ms, as MPI's own blocking calls poll:
-  on cores of its own (how MPI jobs run) that is the fastest way to wait; on
-  an oversubscribed machine it takes CPU from the other processes.
+* **Polling.** A waiting worker tests its request in a loop, as MPI's own
+  blocking calls poll: for the first 0.2 ms nothing but tests (the clock, the
+  time-out and the peers are looked at every 16th), then yielding the core
+  at each test. On cores of its own (how MPI jobs run) that is the fastest
+  way to wait; on an oversubscribed machine it takes CPU from the other
+  processes. MPI cannot bound a blocking wait, nor (in MPICH) cancel a
+  started collective, so a thread watching a blocking ``Wait`` could only
+  abort the job at the time-out, never raise to the waiting worker.
 * **Channels.** Collectives pair up in the order they are started on one
   communicator. :meth:`MPIEngine.open_channel` duplicates the communicator,
   so collectives started from backward hooks never pair with other ones.
@@ -73,6 +77,11 @@ _LIVENESS_INTERVAL = 0.5
 #: between tests only after a second. MPI moves a large message in chunks,
 #: each when both sides test: sleeping earlier stretches every transfer.
 _SPIN_S, _YIELD_S, _SLEEP_S = 2e-4, 1.0, 1e-3
+#: While spinning, tests between two readings of the clock. A test that finds
+#: the request pending costs 2-3 us; reading the clock and checking the
+#: deadline at every one made an iteration 2.5x a bare test, now 1.5x
+#: (``benchmarks/README.md``, "Where the mpi engine's wait goes").
+_TESTS_PER_LOOK = 16
 
 
 def import_mpi() -> ModuleType:
@@ -192,14 +201,27 @@ class MPIEngine(Engine):
     # --- waiting with a deadline -------------------------------------------------------------
 
     def _wait(self, request: Any, what: str) -> None:
-        """Test ``request`` until it completes, a peer is lost, or the time-out passes."""
+        """Test ``request`` until it completes, a peer is lost, or the time-out passes.
+
+        The worker that arrives last at a collective waits only for the
+        collective itself, which MPI moves only while a side tests it, so on
+        that path a test must follow a test with nothing between: while it
+        spins (the first ``_SPIN_S``), the worker reads the clock, and with it
+        checks the time-out and its peers, once every ``_TESTS_PER_LOOK``
+        tests. After that it yields the core at every test, and after
+        ``_YIELD_S`` sleeps between tests.
+        """
         with self._collective(what):
             if request.Test():
                 return
             start = time.monotonic()
             deadline = start + self._timeout.total_seconds()
             next_look = start + _LIVENESS_INTERVAL
+            tests, waited = 0, 0.0
             while not request.Test():
+                tests += 1
+                if waited < _SPIN_S and tests % _TESTS_PER_LOOK:
+                    continue
                 now = time.monotonic()
                 waited = now - start
                 if now >= next_look:
