@@ -95,7 +95,7 @@ def main() -> None:
     clock = WaitClock()
     training = prepare(args.workload, args.optim, {})
     wall, cpu = time_steps(training, args.steps, warmup=20, at_start=clock.reset)
-    waits = clock.waits
+    waits = list(clock.waits)  # the gather below waits too
     everyone = pyro_distributed.current_engine().allgather_object(waits)
     # Collectives pair up in order, so the workers' i-th waits are one collective's.
     paired = list(zip(*everyone, strict=True)) if len({len(w) for w in everyone}) == 1 else []
