@@ -18,6 +18,7 @@ wait (``critical_wait_us``, the median over collectives), and the difference
 of the two is the imbalance (``imbalance_us``).
 
 ``--variant`` replaces the engine's wait for a comparison (not for use):
+``old`` is the engine's loop before issue 26 (the clock read at every test),
 ``block`` waits in MPI (``request.Wait()``, no time-out), ``spin`` tests the
 request without pause, ``yield`` yields the core at every test.
 """
@@ -74,6 +75,27 @@ def variant(name: str) -> None:
                 pass
 
         mpi.MPIEngine._wait = spin  # type: ignore[method-assign]
+    elif name == "old":
+
+        def old(engine: Any, request: Any, what: str) -> None:  # main's loop before issue 26
+            if request.Test():
+                return
+            start = time.monotonic()
+            deadline, next_look = start + engine.timeout.total_seconds(), start + 0.5
+            while not request.Test():
+                now = time.monotonic()
+                waited = now - start
+                if now >= next_look:
+                    engine.lost_workers()
+                    next_look = now + 0.5
+                if now >= deadline:
+                    raise RuntimeError(f"{what}: time-out")
+                if waited >= 1.0:
+                    time.sleep(1e-3)
+                elif waited >= 2e-4:
+                    _os.sched_yield()
+
+        mpi.MPIEngine._wait = old  # type: ignore[method-assign]
     elif name == "yield":
 
         def yielding(engine: Any, request: Any, what: str) -> None:
@@ -87,7 +109,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--workload", type=workload_name, required=True)
     parser.add_argument("--optim", choices=OPTIMS, required=True)
-    parser.add_argument("--variant", choices=("engine", "block", "spin", "yield"), default="engine")
+    parser.add_argument(
+        "--variant", choices=("engine", "old", "block", "spin", "yield"), default="engine"
+    )
     parser.add_argument("--steps", type=int, default=200, help="timed steps (after 20 untimed)")
     args = parser.parse_args()
     variant(args.variant)
