@@ -2,7 +2,7 @@
 
 A fused buffer is cast to the narrow type before the all-reduce and back
 afterwards, halving the bytes each worker sends. The averaging divides by the
-world size *before* summation (see :class:`~pyro_distributed.reduce.Reduction`),
+world size *before* summation (see :class:`~pyro_distributed.exchange.averager.Reduction`),
 so a sum of W gradients cannot overflow where one gradient would not.
 
 Error against uncompressed averaging, per element, with g_i the workers'

@@ -2,7 +2,7 @@
 
 Without overlap a step computes every gradient and only then sends them. Here
 a hook on each parameter notices when its gradient is complete, and a bucket
-of the :class:`~pyro_distributed.reduce.GradientAverager` goes on the wire as
+of the :class:`~pyro_distributed.exchange.averager.GradientAverager` goes on the wire as
 soon as all of its members are, while backward computes the rest.
 
 What keeps this exact, and keeps workers' collectives paired:
@@ -25,7 +25,7 @@ What keeps this exact, and keeps workers' collectives paired:
   agreement header, so every worker learns of every stale bucket and all of
   them send it again.
 * The last bucket in the order waits for the optimizer call and carries the
-  agreement header (:func:`~pyro_distributed.agreement.digest_floats`) and
+  agreement header (:func:`~pyro_distributed.exchange.agreement.digest_floats`) and
   the stale flags in its sum, so a step costs no collective beyond its
   buckets. Where the sum is not exact (compression, Horovod's pre-division,
   half-precision parameters), the header travels on its own instead.

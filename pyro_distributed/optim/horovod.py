@@ -3,7 +3,7 @@
 Scripts written for Pyro's class run unchanged after swapping the import. The
 keyword arguments are those of ``horovod.torch.DistributedOptimizer`` and keep
 their meaning; they are checked here, up front, and turned into a
-:class:`~pyro_distributed.reduce.Reduction`. The per-step work is
+:class:`~pyro_distributed.exchange.averager.Reduction`. The per-step work is
 :class:`~pyro_distributed.DistributedOptimizer`'s, on the horovod engine, so
 this module only translates arguments.
 

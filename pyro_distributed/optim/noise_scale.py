@@ -21,7 +21,7 @@ smoothed by an exponential moving average before their ratio is taken, as
 the paper recommends. The averages are bias-corrected (divided by the total
 weight so far, as Adam does), so the first steps are not pulled towards zero.
 
-Where the numbers come from: :class:`~pyro_distributed.reduce.GradientAverager`
+Where the numbers come from: :class:`~pyro_distributed.exchange.averager.GradientAverager`
 lets each worker's squared norm ride in the gradient buckets' sums, so
 ``small`` costs no collective; ``big`` is read from the averaged gradient.
 Both are taken before the wrapped optimizer steps, so clipping does not
