@@ -9,6 +9,8 @@ listed in ``nitpick_ignore`` below, each with the reason.
 
 from __future__ import annotations
 
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,6 +19,44 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "_ext"))
 
 import pyro_distributed  # noqa: E402 (after the path is set)
+
+# The benchmark results pages are the Markdown files that the scripts in
+# benchmarks/ write, copied here at every build (docs/benchmarks/ is ignored by
+# git), so that re-running a benchmark updates the site. Each gets a title of
+# its own, its headings move one level down, and a link out of benchmarks/
+# into docs/ is pointed at the copy's place.
+BENCHMARK_PAGES = {
+    "README.md": "Method, tuning and profiles",
+    "RESULTS.md": "The SVI suite",
+    "MPI_RESULTS.md": "The MPI engine",
+    "mpi_idle/RESULTS.md": "The MPI engine, idle re-run",
+    "torch_native/RESULTS.md": "The torch-native loop",
+    "torch_native_small400/RESULTS.md": "The torch-native loop, 400 small parameters",
+    "LOCAL_RESULTS.md": "Local parameters",
+    "local_sparse_idle/LOCAL_RESULTS.md": "Sparse local steps, idle re-run",
+    "torch_native_local/LOCAL_RESULTS.md": "Local parameters on the torch-native loop",
+    "CONVERGENCE_LOCAL.md": "Convergence of sparse local steps",
+    "LIGHTNING_RESULTS.md": "Lightning against DDPStrategy",
+}
+
+
+def copy_benchmark_pages() -> None:
+    source = ROOT / "benchmarks"
+    target = Path(__file__).resolve().parent / "benchmarks" / "results"
+    shutil.rmtree(target, ignore_errors=True)
+    for name, title in BENCHMARK_PAGES.items():
+        text = (source / name).read_text()
+        text = re.sub(r"^(#+) ", r"#\1 ", text, flags=re.MULTILINE)
+        up = "../" * (name.count("/") + 2)  # docs/benchmarks/results/[sub/] -> docs/
+        text = text.replace("](../docs/", "](" + up)
+        page = target / name
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(f"# {title}\n\n{text}")
+        for figure in (source / name).parent.glob("*.png"):
+            shutil.copy(figure, page.parent / figure.name)
+
+
+copy_benchmark_pages()
 
 project = "pyro-distributed"
 author = "the pyro-distributed authors"
