@@ -70,6 +70,38 @@ class PublicApi(SphinxDirective):
         return node.children
 
 
+class InternalApi(SphinxDirective):
+    """``.. internal-api::`` with one dotted path a line: objects users meet but do not import.
+
+    A class is documented with its members, a module by its docstring alone.
+    A path whose object has become public is skipped (``public-api`` has
+    documented it under its public name), so that exporting a name later
+    never documents it twice.
+    """
+
+    has_content = True
+
+    def run(self) -> list[nodes.Node]:
+        lines: list[str] = []
+        for path in (line.strip() for line in self.content):
+            if not path:
+                continue
+            obj = lookup(path)
+            if obj is MISSING:
+                raise self.error(f"internal-api: {path} does not exist")
+            if public_name(obj) is not None:
+                continue
+            if inspect.ismodule(obj):
+                lines += ["", f".. automodule:: {path}", "   :no-members:", ""]
+            else:
+                lines += ["", f".. autoclass:: {path}", "   :members:", ""]
+        content = StringList(lines, source="<internal-api>")
+        node = nodes.section()
+        node.document = self.state.document
+        self.state.nested_parse(content, self.content_offset, node, match_titles=True)
+        return node.children
+
+
 def lookup(path: str, base: object = None) -> object:
     """The object a dotted ``path`` names (inside ``base``, or imported), or MISSING."""
     parts = path.split(".")
@@ -147,5 +179,6 @@ def missing_reference(
 
 def setup(app: Sphinx) -> dict[str, object]:
     app.add_directive("public-api", PublicApi)
+    app.add_directive("internal-api", InternalApi)
     app.connect("missing-reference", missing_reference)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
