@@ -85,6 +85,8 @@ autodoc_typehints_format = "short"
 autodoc_member_order = "bysource"
 autodoc_default_options = {"show-inheritance": True}
 autoclass_content = "both"
+# Our docstrings only: an override without one does not show torch's or Lightning's.
+autodoc_inherit_docstrings = False
 
 # References that the Python domain cannot resolve go through
 # ``_ext/public_api.py``: a public object named by its defining module links to
