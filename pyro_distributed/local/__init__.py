@@ -8,7 +8,7 @@ all N rows and their optimizer state, and averages an N-row gradient every
 step, although only the worker whose data a row belongs to ever touches it.
 
 Under ``pd.shard_subsamples(own_local_params=True)`` a plate of size N is cut
-into W contiguous blocks (:func:`~pyro_distributed.data.block_range`), worker
+into W contiguous blocks (:func:`~pyro_distributed.partition.block_range`), worker
 r draws its subsamples from block r only, and the rows of every local
 parameter outside block r never exist on worker r:
 
