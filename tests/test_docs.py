@@ -150,7 +150,9 @@ def warning_openings(docstring: str) -> list[str]:
 def page_text(path: Path) -> str:
     text = html.unescape(re.sub(r"<[^>]+>", " ", path.read_text()))
     # Sphinx prints typographic quotes; the docstrings have plain ones.
-    text = text.translate(str.maketrans({"\u2019": "'", "\u2018": "'", "\u201c": '"', "\u201d": '"'}))
+    text = text.translate(
+        str.maketrans({"\u2019": "'", "\u2018": "'", "\u201c": '"', "\u201d": '"'})
+    )
     return " ".join(text.split())
 
 

@@ -11,12 +11,11 @@ nothing is listed by hand: ``tests/test_docs.py`` checks that every name in
 
 from __future__ import annotations
 
+import builtins
 import importlib
 import inspect
-from types import ModuleType
-
-import builtins
 import sys
+from types import ModuleType
 from typing import Any
 
 from docutils import nodes
