@@ -111,12 +111,25 @@ def init(engine: str = "auto", *, timeout: float | timedelta | None = None) -> E
 
 def current_engine() -> Engine:
     """The running engine, started with ``init("auto")`` if none is running
-    (or if the running one was outgrown, see :func:`init`)."""
+    (or if the running one was outgrown, see :func:`init`).
+
+    Example::
+
+        engine = pd.current_engine()
+        print(type(engine).__name__, engine.rank, engine.world_size)
+    """
     return init()
 
 
 def shutdown() -> None:
-    """Stop the running engine, if any. A later call to any function restarts one."""
+    """Stop the running engine, if any. A later call to any function restarts one.
+
+    A process group that you created yourself is left alone. Example::
+
+        pd.init()
+        ...  # train
+        pd.shutdown()  # optional: it also runs at exit
+    """
     global _engine
     if _engine is not None:
         engine, _engine = _engine, None
@@ -129,27 +142,55 @@ atexit.register(shutdown)
 
 
 def rank() -> int:
-    """This worker's global rank (0 in a plain process)."""
+    """This worker's global rank (0 in a plain process).
+
+    Example::
+
+        print(f"worker {pd.rank()} of {pd.world_size()}")
+    """
     return current_engine().rank
 
 
 def local_rank() -> int:
-    """This worker's rank on its own machine (0 in a plain process)."""
+    """This worker's rank on its own machine (0 in a plain process).
+
+    Example::
+
+        device = torch.device("cuda", pd.local_rank()) if torch.cuda.is_available() else "cpu"
+    """
     return current_engine().local_rank
 
 
 def world_size() -> int:
-    """The number of workers (1 in a plain process)."""
+    """The number of workers (1 in a plain process).
+
+    Example::
+
+        loader = DataLoader(dataset, batch_size=256 // pd.world_size(), sampler=sampler)
+    """
     return current_engine().world_size
 
 
 def is_main() -> bool:
-    """Whether this is worker 0, the one that should print and write files."""
+    """Whether this is worker 0, the one that should print and write files.
+
+    Example::
+
+        if pd.is_main():
+            print(f"step {step}: loss {loss:.1f}")
+    """
     return current_engine().rank == 0
 
 
 def barrier() -> None:
-    """Wait until every worker reaches this call (bounded by the time-out)."""
+    """Wait until every worker reaches this call (bounded by the time-out).
+
+    Example::
+
+        if pd.is_main():
+            prepare_files()
+        pd.barrier()  # the others read them only after worker 0 wrote them
+    """
     current_engine().barrier()
 
 

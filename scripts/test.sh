@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
 # The project's whole check, as CI runs it: set up the venv (with the mpi extra,
-# mpi4py and the MPICH wheel, and the lightning extra), build Horovod (cached
-# after the first run), lint, type-check, check the import layers and run every
-# test, the MPI ones under the real mpiexec and Lightning's under its launcher.
+# mpi4py and the MPICH wheel, the lightning, docs and release extras), build
+# Horovod (cached after the first run), lint, type-check, check the import
+# layers, build the documentation site with warnings as errors, build and check
+# the sdist and wheel and import the wheel from a fresh venv, and run every
+# test, the MPI ones under the real mpiexec and Lightning's under its launcher
+# (tests/test_docs.py checks the built site and runs the docs' code blocks).
 #
 #   bash scripts/test.sh [extra pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYRO_DISTRIBUTED_EXTRAS=${PYRO_DISTRIBUTED_EXTRAS:-dev,examples,mpi,lightning}
+PYRO_DISTRIBUTED_EXTRAS=${PYRO_DISTRIBUTED_EXTRAS:-dev,examples,mpi,lightning,docs,release}
 . scripts/setup_env.sh
 
 bash scripts/install_horovod.sh
 
 echo "[test] ruff"
-ruff check pyro_distributed tests examples benchmarks scripts
-ruff format --check pyro_distributed tests examples benchmarks scripts
+ruff check pyro_distributed tests examples benchmarks scripts docs/conf.py docs/_ext
+ruff format --check pyro_distributed tests examples benchmarks scripts docs/conf.py docs/_ext
 echo "[test] mypy"
 mypy
 echo "[test] import layers"
 lint-imports
+echo "[test] docs"
+# -E: a fresh build every time, so every page and docstring is read again.
+python -m sphinx -E -W --keep-going -q docs docs/_build/html
+export PYRO_DISTRIBUTED_DOCS_HTML="$PWD/docs/_build/html"  # tests/test_docs.py reads it
+echo "[test] package"
+bash scripts/check_package.sh
 echo "[test] pytest"
 python -m pytest "$@"

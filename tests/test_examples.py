@@ -140,12 +140,6 @@ def test_quickstart_gives_the_posterior_of_all_the_data(workers: int) -> None:
     assert output.count("predictions: (1000, 1001)") == 1, "gathered on worker 0 only"
 
 
-def test_readme_quickstart_is_the_example() -> None:
-    readme = (ROOT / "README.md").read_text()
-    body = QUICKSTART.read_text().split('"""', 2)[2].strip()
-    assert f"```python\n{body}\n```" in readme
-
-
 RANDOM_EFFECTS = ROOT / "examples" / "random_effects.py"
 
 

@@ -57,7 +57,16 @@ def shard_indices(
 
     :param shuffle: take the order from a permutation of ``range(n)`` seeded
         by ``(seed, epoch)``, the same on every worker.
-    :param uneven: ``"drop"``, ``"pad"`` or ``"split"``; see the module documentation.
+    :param uneven: ``"drop"`` (default: leave out the ``n % W`` items left
+        over), ``"pad"`` (repeat a few, so that every item is used) or
+        ``"split"`` (the first ``n % W`` workers get one more).
+
+    Example::
+
+        indices = pd.shard_indices(len(x), shuffle=True, seed=0, epoch=epoch)
+        for batch in indices.split(64):
+            # the model's plate: pyro.plate("data", len(x), subsample=batch)
+            svi.step(batch, x[batch], y[batch])
     """
     check_int("n", n, minimum=0)
     check_choice("uneven", uneven, ("split", "drop", "pad"))

@@ -95,7 +95,17 @@ class _Health:
 
 
 class Engine(abc.ABC):
-    """A transport with a rank, a world size and a few collectives."""
+    """A transport with a rank, a world size and a few collectives.
+
+    :func:`~pyro_distributed.current_engine` returns the running one, and
+    :class:`~pyro_distributed.DistributedOptimizer`'s ``engine=`` takes one
+    instead of a name. Example::
+
+        engine = pd.current_engine()
+        total = torch.tensor([float(len(x_mine))])
+        engine.allreduce_([total])  # in place: the sum over the workers
+        print(engine.name, engine.rank, engine.world_size, total.item())
+    """
 
     #: The name users pass as ``engine=...``.
     name: ClassVar[str]

@@ -56,10 +56,10 @@ DEFAULT_SMOOTHING = 0.02
 class NoiseScale:
     """The current estimates, as :meth:`DistributedOptimizer.noise_scale` returns them.
 
-    :param gradient_sq: |G|^2, the squared norm of the true gradient.
-    :param trace_sigma: tr(Sigma), the total variance of one worker's gradient.
-    :param b_simple: tr(Sigma) / |G|^2 in units of one worker's batch;
-        ``inf`` while the |G|^2 estimate is not positive (the gradient is still
+    :param gradient_sq: ``|G|^2``, the squared norm of the true gradient.
+    :param trace_sigma: ``tr(Sigma)``, the total variance of one worker's gradient.
+    :param b_simple: ``tr(Sigma) / |G|^2`` in units of one worker's batch;
+        ``inf`` while the ``|G|^2`` estimate is not positive (the gradient is still
         buried in noise), ``nan`` before the first measurement.
     :param world_size: the number of workers that measured it.
     :param steps: how many steps the averages hold.

@@ -69,6 +69,11 @@ def measure_collective(
 
     A collective: every worker calls it. The workers' medians are averaged,
     so every worker returns the same timings.
+
+    Example::
+
+        for nbytes, seconds in pd.measure_collective():
+            print(f"{nbytes} bytes: {1e6 * seconds:.0f} us")
     """
     engine = engine or runtime.current_engine()
     if repeats < 1:
@@ -169,7 +174,14 @@ class ScalingRow:
 
 @dataclass(frozen=True)
 class ScalingProjection:
-    """Time to a target loss by number of workers, and the recommended one."""
+    """Time to a target loss by number of workers, and the recommended one.
+
+    :func:`project_scaling` and :func:`scaling_advice` return it. Example::
+
+        projection = pd.scaling_advice(optim, lambda: svi.step(x, y))
+        print(projection.table())
+        print(projection.recommended)
+    """
 
     rows: tuple[ScalingRow, ...]
     recommended: int
@@ -225,6 +237,14 @@ def project_scaling(
         relative to this run's.
     :param tolerance: recommend the fewest workers within this fraction of
         the fastest time.
+
+    Example (after training with ``noise_scale=True`` on two or more workers)::
+
+        cost = pd.CollectiveCost.fit(pd.measure_collective(), pd.world_size())
+        projection = pd.project_scaling(
+            optim.noise_scale(), compute_s=0.004, gradient_bytes=72e3, cost=cost
+        )
+        print(projection.table())
     """
     b_noise = noise.b_simple
     if not (math.isfinite(b_noise) and b_noise >= 0):

@@ -7,7 +7,7 @@ here changes those rows only, of the parameter and of its optimizer state,
 and leaves every other row bitwise as it was: the *lazy* semantics of
 ``torch.optim.SparseAdam`` and TensorFlow's LazyAdam, which is also what
 Hoffman et al.'s stochastic variational inference does with local
-parameters. Its cost is O(|R|), never O(N/W).
+parameters. Its cost is ``O(|R|)``, never ``O(N/W)``.
 
 On the rows of R, each optimizer applies its own dense update formula,
 evaluated by the torch optimizer itself on a small tensor that stands in
