@@ -153,7 +153,7 @@ class HorovodEngine(Engine):
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         with self._collective("allgather of Python objects"):
             sizes = self.hvd.allgather(
-                torch.tensor([payload.numel()]),
+                torch.tensor([payload.numel()]),  # cpu: a size, beside a pickled payload
                 name=self._name("object_sizes"),
                 process_set=self._process_set,
             )

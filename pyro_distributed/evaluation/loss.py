@@ -145,6 +145,7 @@ def evaluate_loss(
             break
     # The refusal travels with the sum, so that workers whose block raised no
     # doubt (an empty one, say) fail with the others instead of waiting.
+    # cpu: a Python float and a flag, read back at once; every engine carries CPU tensors.
     buffer = torch.tensor([total, float(refusal is not None)], dtype=torch.float64)
     engine = runtime.current_engine()
     engine.allreduce_([buffer], op="sum")
