@@ -215,9 +215,8 @@ class ShardSampler(Sampler[int]):
         order = torch.arange(block.start, block.stop)  # cpu: a sampler's indices
         if self.shuffle:
             stream = derived_seed(self.seed, self.epoch, runtime.rank())
-            order = order[
-                torch.randperm(len(order), generator=torch.Generator().manual_seed(stream))  # cpu
-            ]
+            generator = torch.Generator().manual_seed(stream)
+            order = order[torch.randperm(len(order), generator=generator)]  # cpu: as order
         length = len(self)
         if len(order) >= length:
             return order[:length]
