@@ -46,8 +46,10 @@ FACTORIES = frozenset(
     }
 )
 
-#: The marker that says an allocation is on the CPU on purpose, and why.
-CPU_MARK = "# cpu:"
+#: The marker that waives ``device=`` for one allocation, saying why (``torch.as_tensor``
+#: of a value that keeps its own device, say). An allocation meant for the CPU says
+#: ``device="cpu"``: a user's ``torch.set_default_device("cuda")`` must not move it.
+WAIVER = "# device:"
 
 
 def _torch_call(node: ast.Call) -> str | None:
@@ -57,20 +59,20 @@ def _torch_call(node: ast.Call) -> str | None:
 
 
 def _marked(lines: list[str], node: ast.Call) -> bool:
-    """Whether a line of the call, or the comment lines just above it, says ``# cpu:``."""
+    """Whether a line of the call, or the comment lines just above it, waive ``device=``."""
     first, last = node.lineno, node.end_lineno or node.lineno
-    if any(CPU_MARK in lines[n - 1] for n in range(first, last + 1)):
+    if any(WAIVER in lines[n - 1] for n in range(first, last + 1)):
         return True
     above = first - 1
     while above >= 1 and lines[above - 1].strip().startswith("#"):
-        if CPU_MARK in lines[above - 1]:
+        if WAIVER in lines[above - 1]:
             return True
         above -= 1
     return False
 
 
 def unplaced_allocations(source: str, where: str) -> list[str]:
-    """``where:line name`` of each allocation without ``device=`` or a ``# cpu:`` mark,
+    """``where:line name`` of each allocation without ``device=`` or a waiver,
     and of each ``torch.load`` without ``map_location=``."""
     lines = source.splitlines()
     found = []
@@ -86,27 +88,28 @@ def unplaced_allocations(source: str, where: str) -> list[str]:
     return found
 
 
-def test_every_allocation_in_the_package_names_its_device_or_says_why_cpu() -> None:
+def test_every_allocation_in_the_package_names_its_device() -> None:
     # torch.cat/stack and the *_like and .new_* methods take the device of
-    # their inputs; the factories above take the default device, which is
-    # the CPU in every worker unless the user changed it.
+    # their inputs; the factories above take torch's default device, which
+    # is the CPU unless the user changed it (torch.set_default_device).
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         where = str(path.relative_to(PACKAGE.parent))
         found += unplaced_allocations(path.read_text(), where)
     assert not found, (
         "tensors allocated without device= (give them the device of the tensors they serve, "
-        "or mark an intentional CPU one with '# cpu: <why>'):\n" + "\n".join(found)
+        "device='cpu' with a comment saying why for a host-side one, or waive it with "
+        "'# device: <why>'):\n" + "\n".join(found)
     )
 
 
-def test_the_static_check_finds_a_bare_allocation_and_accepts_the_placed_ones() -> None:
+def test_the_static_check_finds_a_bare_allocation_and_accepts_placed_or_waived_ones() -> None:
     source = (
         "import torch\n"
         "a = torch.zeros(3)\n"
         "b = torch.zeros(3, device=x.device)\n"
-        "c = torch.tensor([1])  # cpu: a flag\n"
-        "# cpu: read back at once\n"
+        "c = torch.as_tensor(v)  # device: v's own\n"
+        "# device: read back at once\n"
         "d = torch.arange(\n"
         "    4)\n"
         "e = torch.load(f)\n"

@@ -178,7 +178,7 @@ class shard_subsamples(Messenger):
                 f"exceeds its size {size}; lower subsample_size to at most {size // workers}"
             )
         # cpu: drawn from the shared CPU generator (the same on every device), then moved.
-        permutation = torch.randperm(size, generator=shared_generator())
+        permutation = torch.randperm(size, generator=shared_generator(), device="cpu")
         mine = permutation[rank * per_worker : (rank + 1) * per_worker]
         msg["value"] = mine.to(fn.device)
 
@@ -198,9 +198,11 @@ class shard_subsamples(Messenger):
                 draw = sparse.draw_rows(len(block), per_worker, block_generator())
             else:
                 # cpu: the CPU block generator's draw, moved to the plate's device below.
-                draw = torch.randperm(len(block), generator=block_generator())[:per_worker]
+                draw = torch.randperm(len(block), generator=block_generator(), device="cpu")[
+                    :per_worker
+                ]
             msg["value"] = (draw + block.start).to(fn.device)
-        indices = torch.as_tensor(msg["value"])  # cpu: unless the value already has a device
+        indices = torch.as_tensor(msg["value"])  # device: the value's own, if it has one
         outside = indices[(indices < block.start) | (indices >= block.stop)]
         if outside.numel():
             raise ValueError(

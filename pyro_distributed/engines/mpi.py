@@ -313,7 +313,7 @@ class MPIEngine(Engine):
                     stacklevel=4,
                 )
             # cpu: the pinned host copy MPI reads and writes in place of the CUDA tensor.
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True, device="cpu")
             host.copy_(tensor)
             return host, _copier(tensor, host)
         if device != "cpu":
@@ -382,8 +382,9 @@ class MPIEngine(Engine):
         MPI = self.MPI
         what = "allgather of Python objects"
         payload = pickle.dumps(obj)
-        mine = torch.tensor([len(payload)], dtype=torch.int64)  # cpu: sizes of a pickle
-        sizes = torch.zeros(self._world_size, dtype=torch.int64)  # cpu: likewise
+        # cpu: sizes of a pickle
+        mine = torch.tensor([len(payload)], dtype=torch.int64, device="cpu")
+        sizes = torch.zeros(self._world_size, dtype=torch.int64, device="cpu")  # cpu: likewise
         with self._collective(what):
             request = self._comm.Iallgather(
                 self._buffer(mine, MPI.INT64_T), [self._buffer(sizes)[0], MPI.INT64_T]

@@ -61,10 +61,10 @@ class IndexedDataset(Dataset[tuple[Any, ...]]):
         # On the CPU, as the loader's own indices: it batches them with the rows.
         size = len(self)
         if isinstance(index, int):  # the loader's case; the data set checked the range
-            return torch.tensor(index + size if index < 0 else index)  # cpu: an index
+            return torch.tensor(index + size if index < 0 else index, device="cpu")  # cpu: an index
         if isinstance(index, slice):
-            return torch.arange(*index.indices(size))  # cpu: indices
-        selected = torch.as_tensor(index)  # cpu: unless the index already has a device
+            return torch.arange(*index.indices(size), device="cpu")  # cpu: indices
+        selected = torch.as_tensor(index)  # device: the index's own, if it has one
         if selected.dtype == torch.bool:
             return selected.nonzero().flatten()
         if selected.numel() and not bool(((selected >= -size) & (selected < size)).all()):

@@ -89,7 +89,8 @@ def measure_collective(
             engine.allreduce_([buffer])
             seconds.append(time.perf_counter() - started)
         medians.append(statistics.median(seconds))
-    shared = torch.tensor(medians, dtype=torch.float64)  # cpu: timings, a host-side control
+    # cpu: timings, a host-side control
+    shared = torch.tensor(medians, dtype=torch.float64, device="cpu")
     engine.allreduce_([shared], op="mean")
     return list(zip(sizes, shared.tolist(), strict=True))
 
@@ -313,7 +314,8 @@ def scaling_advice(
         started = time.perf_counter()
         step()
         seconds.append(time.perf_counter() - started)
-    shared = torch.tensor([statistics.median(seconds)], dtype=torch.float64)  # cpu: a timing
+    # cpu: a timing
+    shared = torch.tensor([statistics.median(seconds)], dtype=torch.float64, device="cpu")
     engine.allreduce_([shared], op="mean")
     step_s = float(shared[0])
     sizes = sorted({*DEFAULT_SIZES, int(gradient_bytes)})
