@@ -219,6 +219,7 @@ def run_under_mpiexec(
     them to wait out the engine's time-out. The whole launch (``mpiexec`` and
     every worker, in a process group of their own) is killed after ``timeout``.
     """
+    import shutil
     import signal
     import subprocess
     import sys
@@ -226,7 +227,10 @@ def run_under_mpiexec(
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
+    # The venv's (the mpich wheel's), else the one on PATH (scripts/gpu_check.sh's).
     mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        mpiexec = Path(shutil.which("mpiexec") or mpiexec)
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "scenarios.pkl"
         spec.write_bytes(
@@ -241,7 +245,9 @@ def run_under_mpiexec(
         env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(root),
+            "PYTHONPATH": os.pathsep.join(
+                [str(root), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+            ).rstrip(os.pathsep),
             "TEST_ENGINE_TIMEOUT": str(engine_timeout),
             "TEST_CRASH_ON_ERROR": "1" if crash_on_error else "",
         }
