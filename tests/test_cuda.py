@@ -144,7 +144,8 @@ def predict_and_evaluate() -> dict[str, Any]:
     pyro.set_rng_seed(0)
     x, y = batch(0, n=200)
     guide = AutoNormal(latent_model)
-    svi = SVI(latent_model, guide, pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.05})))
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.05}))
+    svi = SVI(latent_model, guide, optim, Trace_ELBO())
     for _ in range(50):
         svi.step(pd.shard(x), pd.shard(y))
     test_x, test_y = batch(1, n=101)
