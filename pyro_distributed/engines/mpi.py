@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..devices import cuda_device_index
 from ..errors import PyroDistributedError
 from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp, process_is_alive
 
@@ -185,6 +186,8 @@ class MPIEngine(Engine):
         self._local_rank = node.Get_rank()
         node.Free()
         self._cuda_aware = self._library_takes_cuda() if cuda_aware is None else cuda_aware
+        if torch.cuda.is_available():  # each worker its GPU, as the torch engine pins them
+            torch.cuda.set_device(cuda_device_index(self._local_rank, torch.cuda.device_count()))
         # Where every worker lives, to name the lost ones when a collective fails.
         self._peers = self.allgather_object((socket.gethostname(), os.getpid()))
 
@@ -300,7 +303,7 @@ class MPIEngine(Engine):
         """A contiguous tensor MPI can read and write, and what copies its result back."""
         device = tensor.device.type
         if device == "cuda":
-            # Untested here: no GPU on the development machines.
+            # Untested on a GPU so far (scripts/gpu_check.sh runs it).
             torch.cuda.current_stream(tensor.device).synchronize()  # the values must be written
             if self._cuda_aware:
                 return _contiguous(tensor)
