@@ -6,6 +6,10 @@ the user already initialised, in which case it also leaves that group alone at
 shutdown. Groups it creates itself get the bounded time-out the user asked for,
 instead of torch's default of 30 minutes.
 
+Workers that share a GPU cannot use NCCL, which refuses two ranks on one
+device: the engine learns every worker's GPU at start and then sends CUDA
+tensors over gloo, with one warning (:func:`pyro_distributed.devices.cuda_transport`).
+
 Reductions of several tensors are issued asynchronously and then awaited, so
 the transport can pipeline them; every wait is bounded by the time-out.
 """
