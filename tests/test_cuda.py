@@ -9,8 +9,9 @@ instead, which checks the tests themselves (the check's dry run does).
 The workers are real processes, as everywhere in the suite: at W=1 the torch
 engine (NCCL at one worker), at W=2 two workers on the one GPU of the lent
 machine, once on the torch engine (which then sends CUDA tensors over gloo,
-see :mod:`pyro_distributed.devices`) and once on MPI (staged through pinned
-host memory unless the MPI is CUDA-aware).
+see :mod:`pyro_distributed.devices`; ``tests/test_devices.py`` checks the
+choice) and once on MPI (staged through pinned host memory unless the MPI is
+CUDA-aware).
 """
 
 from __future__ import annotations
@@ -232,10 +233,6 @@ def worker_batch(same_batch: bool) -> dict[str, Any]:
     return train_point([0] if same_batch else [pd.rank()])
 
 
-def transport() -> str | None:
-    return getattr(pd.current_engine(), "_cuda_backend", "none")
-
-
 @pytest.mark.parametrize("engine", ["torch", "mpi"])
 def test_two_workers_on_one_gpu_match_one_process(engine: str) -> None:
     # The same batch on both workers: (g + g) / 2 is g exactly, so bitwise.
@@ -251,12 +248,3 @@ def test_two_workers_on_one_gpu_match_one_process(engine: str) -> None:
     for name, value in both["params"].items():
         assert torch.equal(distributed[1]["params"][name], distributed[0]["params"][name]), name
         assert torch.allclose(distributed[0]["params"][name], value, rtol=1e-4, atol=1e-5), name
-
-
-def test_the_torch_engine_sends_cuda_tensors_of_workers_sharing_a_gpu_over_gloo() -> None:
-    chosen = run_workers(transport, world_size=2, engine="torch")
-    if not torch.cuda.is_available():
-        expected = None  # no CUDA: no transport for CUDA tensors is chosen
-    else:
-        expected = "gloo" if torch.cuda.device_count() < 2 else "nccl"
-    assert chosen == [expected, expected]

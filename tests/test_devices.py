@@ -25,6 +25,8 @@ from pyro_distributed.devices import (
     this_gpu,
 )
 
+from .harness import run_workers
+
 PACKAGE = Path(pyro_distributed.__file__).parent
 
 #: torch functions that allocate a new tensor on the default device unless told.
@@ -183,3 +185,15 @@ def test_a_tensor_saved_on_a_gpu_lands_on_this_workers_gpu_or_the_cpu() -> None:
     expected = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     assert str(placed.device) == expected
     assert checkpoint_location(storage, "cpu") is None  # torch's default: stays where saved
+
+
+def _cuda_transport_chosen() -> str | None:
+    return pyro_distributed.current_engine()._cuda_backend  # type: ignore[attr-defined, no-any-return]
+
+
+def test_the_torch_engine_agrees_at_start_on_how_cuda_tensors_travel() -> None:
+    chosen = run_workers(_cuda_transport_chosen, world_size=2, engine="torch")
+    if not torch.cuda.is_available():
+        assert chosen == [None, None]
+    else:  # two workers on one GPU share it; on two GPUs each has its own
+        assert chosen == 2 * ["gloo" if torch.cuda.device_count() < 2 else "nccl"]

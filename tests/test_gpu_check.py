@@ -9,6 +9,7 @@ plan and the table. The check itself runs only on a GPU machine.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,8 @@ def test_the_dry_run_proves_the_plumbing_without_a_gpu(tmp_path: Path) -> None:
         assert "ok wheels: Would install" in output and "pyro-ppl-1.9.2" in output, output
     else:
         assert "skipped wheels" in output and "--download" in output, output
-    assert "ok tests marked cuda: 11 collected" in output, output
+    collected = re.search(r"ok tests marked cuda: (\d+) collected", output)
+    assert collected and int(collected.group(1)) > 0, output
     assert "tests/test_cuda.py::test_two_workers_on_one_gpu_match_one_process[mpi]" in output
     assert "the check stops with: gpu_check: no CUDA device" in output, output
     assert "plan: quickstart W=2, mpiexec (mpi engine)" in output, output
