@@ -38,7 +38,9 @@
 #               marked cuda (collected), the message on "no CUDA device", the plan and
 #               the table. tests/test_gpu_check.py runs it.
 #   --cpu       the whole sequence on the CPU at small sizes (slow on a small machine).
-# Environment: PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 450).
+# Environment: PYTHON (default python3), GPU_CHECK_BUDGET (seconds, default 450),
+# GPU_CHECK_STEPS (an extended regular expression: run only the steps whose names match,
+# for a second run of what failed, e.g. GPU_CHECK_STEPS='mpiexec|local10000000').
 
 set -uo pipefail
 
@@ -125,6 +127,9 @@ print(s.get_path('purelib', vars=v) + ':' + s.get_path('platlib', vars=v))")
 step() {  # step NAME SECONDS COMMAND...: run it, log it, record its result
     local name=$1 limit=$2 status elapsed started rc
     shift 2
+    if [ -n "${GPU_CHECK_STEPS:-}" ] && ! grep -qE "$GPU_CHECK_STEPS" <<<"$name"; then
+        return 200  # not selected
+    fi
     if [ "$MODE" = dry-run ]; then
         printf '%s\tplanned\t%s\n' "$name" "$limit" >>"$STEPS"
         say "plan: $name (<= ${limit} s): $*"
@@ -134,7 +139,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, log it, record its result
     if [ "$left" -lt 15 ]; then
         printf '%s\tskipped (time)\t0\n' "$name" >>"$STEPS"
         say "$name: skipped, the budget of $BUDGET s is spent"
-        return 1
+        return 201
     fi
     [ "$limit" -gt "$left" ] && limit=$left
     echo "=== $name: $*" >>"$LOG"
@@ -162,13 +167,16 @@ bench() {  # bench LABEL WORKLOAD OPTIM LAUNCHER...: one svi_worker run, its lin
             --workload "$workload" --optim "$optim" --device "$DEVICE"
         return
     fi
+    local rc
     json=$(mktemp)
-    if step "time $workload $optim ($label)" 150 "$@" benchmarks/svi_worker.py \
+    step "time $workload $optim ($label)" 150 "$@" benchmarks/svi_worker.py \
         --workload "$workload" --optim "$optim" --device "$DEVICE" \
-        --steps "$BENCH_STEPS" --warmup "$WARMUP" --json-out "$json"; then
+        --steps "$BENCH_STEPS" --warmup "$WARMUP" --json-out "$json"
+    rc=$?
+    if [ "$rc" = 0 ]; then
         "$PY" -c "import json, sys; r = json.load(open(sys.argv[1])); r['label'] = sys.argv[2]; \
 print(json.dumps(r))" "$json" "$label" >>"$BENCH"
-    else
+    elif [ "$rc" -lt 200 ]; then  # it ran and failed (not left out, not out of time)
         echo "{\"workload\": \"$workload\", \"optim\": \"$optim\", \"label\": \"$label\"," \
             "\"error\": \"see gpu_check.log\"}" >>"$BENCH"
     fi
