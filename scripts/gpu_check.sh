@@ -190,7 +190,7 @@ sequence() {
     local cuda_env=(env PYRO_DISTRIBUTED_TEST_DEVICE="$DEVICE")
     step "tests marked cuda" 240 "${cuda_env[@]}" "$PY" -m pytest -q -p no:cacheprovider \
         --cuda -m cuda "${CUDA_TESTS[@]}"
-    step "tests/test_devices.py" 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_devices.py
+    step "tests/test_devices.py" 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_devices.py
     step "quickstart W=1" 120 "${one[@]}" examples/quickstart.py
     step "VAE example W=1 --device $DEVICE" 150 "${one[@]}" examples/vae_digits.py \
         --device "$DEVICE" --max-steps "$VAE_STEPS" --figure "$scratch/vae.png" \
