@@ -319,7 +319,11 @@ def scaling_advice(
     engine.allreduce_([shared], op="mean")
     step_s = float(shared[0])
     sizes = sorted({*DEFAULT_SIZES, int(gradient_bytes)})
-    cost = CollectiveCost.fit(measure_collective(engine, sizes), engine.world_size)
+    # Timed on the device the gradients live on: NCCL's cost, not gloo's, on a GPU.
+    stored = pyro.get_param_store().named_parameters()
+    device = next((p.device for _, p in stored), torch.device("cpu"))
+    timings = measure_collective(engine, sizes, device=device)
+    cost = CollectiveCost.fit(timings, engine.world_size)
     if compute_s is None:
         compute_s = max(step_s - cost.seconds(gradient_bytes), 0.0)
     else:
