@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -496,10 +496,29 @@ def time_steps(training: Training, steps: int, warmup: int) -> float:
         training.step()
     if pyro_distributed.world_size() > 1:
         pyro_distributed.barrier()
+    synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         training.step()
+    synchronize()
     return time.perf_counter() - start
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work, so that the clock times it (a no-op without CUDA)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def on_device(workload: Workload, device: str) -> Workload:
+    """``workload`` with its data and networks on ``device``; parameters that Pyro
+    creates lazily follow through ``torch.set_default_device`` (see :func:`prepare`)."""
+    for part in (workload.model, workload.guide):
+        owner = getattr(part, "__self__", part)  # a network's bound model or guide method
+        if isinstance(owner, nn.Module):
+            owner.to(device)
+    args = tuple(a.to(device) if isinstance(a, Tensor) else a for a in workload.args)
+    return replace(workload, args=args)
 
 
 def in_sync(parameters: Sequence[tuple[str, Tensor]]) -> bool:
@@ -511,7 +530,7 @@ def in_sync(parameters: Sequence[tuple[str, Tensor]]) -> bool:
     digest = hashlib.sha256()
     for name, value in parameters:
         digest.update(name.encode())
-        digest.update(value.detach().contiguous().numpy().tobytes())
+        digest.update(value.detach().cpu().contiguous().numpy().tobytes())
     digests = pyro_distributed.current_engine().allgather_object(digest.hexdigest())
     return len(set(digests)) == 1
 
@@ -541,6 +560,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     parser.add_argument("--json-out", type=Path, help="also write the JSON line here")
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where data, networks and parameters live: cpu or cuda (each worker its GPU)",
+    )
+    parser.add_argument(
         "--bucket-cap-mb", type=float, help="DistributedOptimizer's bucket_cap_mb (tuning runs)"
     )
     parser.add_argument(
@@ -554,8 +578,15 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def prepare(workload_name: str, optim: str, options: dict[str, Any]) -> Training:
-    """Join the workers and build this worker's workload and training step, seeded by rank."""
+def prepare(
+    workload_name: str, optim: str, options: dict[str, Any], device: str = "cpu"
+) -> Training:
+    """Join the workers and build this worker's workload and training step, seeded by rank.
+
+    The workload is drawn on the CPU (the same numbers on every device), then
+    moved to ``device``; on a GPU, ``torch.set_default_device`` puts there the
+    parameters Pyro creates on the first step, as a user's GPU script would.
+    """
     torch.set_num_threads(1)
     ddp = optim in MODULE_OPTIMS
     if ddp:
@@ -565,13 +596,16 @@ def prepare(workload_name: str, optim: str, options: dict[str, Any]) -> Training
     pyro.clear_param_store()
     pyro.set_rng_seed(SEED + rank)
     workload = build_workload(workload_name, torch.Generator().manual_seed(SEED + rank), ddp)
+    if device != "cpu":
+        workload = on_device(workload, device)
+        torch.set_default_device(device)
     return module_training(workload, optim) if ddp else svi_training(workload, optim, options)
 
 
 def main() -> None:
     args = parse_args()
     options = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
-    training = prepare(args.workload, args.optim, options)
+    training = prepare(args.workload, args.optim, options, args.device)
     seconds = time_steps(training, args.steps, args.warmup)
     parameters = training.parameters()
     # Local parameters differ across workers by design: compare the rest.
@@ -591,6 +625,10 @@ def main() -> None:
                 "param_tensors": len(parameters),
                 "params_in_sync": synced,
                 "state_bytes": training.state_bytes(),
+                "device": args.device,
+                "cuda_peak_bytes": (
+                    torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0
+                ),
             }
         )
         print(line, flush=True)

@@ -21,13 +21,16 @@ def model(x, y=None):
 
 
 def make_data(n, seed):
-    generator = torch.Generator().manual_seed(seed)  # the same data on every worker
+    generator = torch.Generator(device).manual_seed(seed)  # the same data on every worker
     x = torch.randn(n, 3, generator=generator)
     y = x @ torch.tensor([2.0, -1.0, 0.5]) + 0.3 * torch.randn(n, generator=generator)
     return x, y
 
 
 pd.init()  # joins torchrun's, horovodrun's or mpirun's workers; a plain process is 1 worker
+device = "cuda" if torch.cuda.is_available() else "cpu"
+if device == "cuda":  # data, parameters and samples on this worker's GPU
+    torch.set_default_device(device)
 pd.set_rng_seed(0)  # independent guide noise on each worker, from one seed
 x, y = make_data(10_000, seed=0)
 x_mine, y_mine = pd.shard(x), pd.shard(y)  # this worker's rows: every row on one worker

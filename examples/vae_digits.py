@@ -146,7 +146,7 @@ def held_out_elbo(vae: VAE, images: Tensor, particles: int) -> float:
     The model's plate spans ``size`` images, the whole held-out set, so
     evaluate_loss weighs each worker's block by its share of the images.
     """
-    data = (images, torch.arange(len(images)))
+    data = (images, torch.arange(len(images), device=images.device))
     elbo = evaluation_elbo(particles)
     loss = pd.evaluate_loss(elbo, vae.model, vae.guide, data, size=len(images))
     return -loss / len(images)
@@ -196,7 +196,7 @@ def draw_figure(
     originals = held_out[: 2 * columns]
     reconstructions = vae.reconstruct(originals)
     prior_z = torch.randn(2 * columns, vae.latent, generator=torch.Generator().manual_seed(seed))
-    prior_draws = vae.mean_image(prior_z)
+    prior_draws = vae.mean_image(prior_z.to(held_out.device))
     rows = [
         ("held-out", originals[:columns]),
         ("reconstructed", reconstructions[:columns]),
@@ -209,7 +209,7 @@ def draw_figure(
     right.suptitle("Held-out digits, their reconstructions, and decoded prior draws")
     for axes, (label, images) in zip(grid, rows, strict=True):
         for axis, image in zip(axes, images, strict=True):
-            axis.imshow(image.view(SIDE, SIDE), cmap="gray_r", vmin=0.0, vmax=1.0)
+            axis.imshow(image.view(SIDE, SIDE).cpu(), cmap="gray_r", vmin=0.0, vmax=1.0)
             axis.set_xticks([])
             axis.set_yticks([])
         axes[0].set_ylabel(label, rotation=0, ha="right", va="center")
@@ -227,6 +227,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     parser.add_argument("--figure", type=Path, default=Path("vae_digits.png"))
     parser.add_argument("--checkpoint", type=Path, default=Path("vae_digits.pt"))
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: each worker its GPU")
     parser.add_argument(
         "--noise-scale",
         action=argparse.BooleanOptionalAction,
@@ -243,7 +244,8 @@ def main() -> None:
     # identical; DistributedOptimizer would otherwise copy worker 0's initial
     # values at the first step, after each worker computed its gradient at its own.
     torch.manual_seed(args.seed)
-    vae = VAE(train.shape[1], args.hidden, args.latent)
+    vae = VAE(train.shape[1], args.hidden, args.latent).to(args.device)
+    held_out = held_out.to(args.device)
     pd.set_rng_seed(args.seed)  # then independent guide noise on each worker
 
     dataset = TensorDataset(torch.arange(len(train)), train)
@@ -271,6 +273,7 @@ def main() -> None:
         epoch += 1
         sampler.set_epoch(epoch)  # the same new order on every worker
         for indices, images in itertools.islice(loader, total - len(losses)):
+            images, indices = images.to(args.device), indices.to(args.device)
             loss = svi.step(images, indices, len(train))
             losses.append(pd.all_mean(loss) / len(train))  # the same on every worker
             if measure:  # no communication: read from the step's own sums

@@ -76,7 +76,8 @@ def gather_pieces(
                 results[name] = pieces[name].detach().clone()
             continue
         whole = _joined_shape(name, shapes, axis)
-        result = torch.empty(whole, dtype=dtype) if keep else torch.empty(0, dtype=dtype)
+        device = pieces[name].device  # every worker's piece lives where its own does
+        result = torch.empty(whole if keep else 0, dtype=dtype, device=device)
         offset = 0
         for src, shape in enumerate(shapes):
             length = shape[axis]
@@ -84,7 +85,7 @@ def gather_pieces(
                 piece = (
                     pieces[name].detach().contiguous()
                     if src == engine.rank
-                    else torch.empty(shape, dtype=dtype)
+                    else torch.empty(shape, dtype=dtype, device=device)
                 )
                 _broadcast(engine, piece, src)
                 if keep:

@@ -225,7 +225,8 @@ def all_mean(value: Number) -> Number:
 
 def float_mean(engine: Engine, value: float) -> float:
     """The mean of one number across ``engine``'s workers, computed in float64."""
-    buffer = torch.tensor([value], dtype=torch.float64)
+    # cpu: a Python float, read back
+    buffer = torch.tensor([value], dtype=torch.float64, device="cpu")
     engine.allreduce_([buffer], op="mean")
     return float(buffer.item())
 
@@ -276,6 +277,7 @@ def _reduce_flag(flag: bool | Tensor, caller: str, *, negate: bool) -> bool:
         flag = bool(flag)
     if not isinstance(flag, bool):
         raise TypeError(f"{caller} takes a bool (or a one-element tensor), got {flag!r}")
-    buffer = torch.tensor([int(flag != negate)], dtype=torch.int64)
+    # cpu: a Python flag
+    buffer = torch.tensor([int(flag != negate)], dtype=torch.int64, device="cpu")
     current_engine().allreduce_([buffer], op="max")
     return bool(buffer.item())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -167,7 +168,11 @@ def _launcher(engine: str, world_size: int) -> list[str]:
     """The real launcher that starts ``world_size`` workers for ``engine``, as users run it."""
     here = Path(sys.executable).parent
     if engine == "mpi":
-        return [str(here / "mpiexec"), "-n", str(world_size)]
+        # The venv's (the mpich wheel's), else the one on PATH (scripts/gpu_check.sh's).
+        mpiexec = here / "mpiexec"
+        if not mpiexec.exists():
+            mpiexec = Path(shutil.which("mpiexec") or mpiexec)
+        return [str(mpiexec), "-n", str(world_size)]
     if engine == "horovod":
         hosts = f"localhost:{world_size}"
         return [str(here / "horovodrun"), "--gloo", "-np", str(world_size), "-H", hosts]
@@ -211,7 +216,9 @@ def run_under_launcher(
         env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(root),
+            "PYTHONPATH": os.pathsep.join(
+                [str(root), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+            ).rstrip(os.pathsep),
             "TEST_ENGINE_TIMEOUT": str(engine_timeout),
             "TEST_CRASH_ON_ERROR": "1" if crash_on_error else "",
         }

@@ -23,6 +23,7 @@ import pyro.util
 import torch
 from torch import Tensor
 
+from ..devices import checkpoint_location
 from ..engines import Engine
 from ..errors import PyroDistributedError
 from ..local.blocks import new_token, remove_blocks, save_blocks, write_atomically
@@ -175,7 +176,10 @@ def local_params_of(state: dict[str, Any]) -> dict[str, LocalParam]:
 
 
 def _deserialize(raw: bytes) -> dict[str, Any]:
-    state: dict[str, Any] = torch.load(io.BytesIO(raw), weights_only=False)
+    # Saved on worker 0's GPU, read by every worker onto its own (or the CPU).
+    state: dict[str, Any] = torch.load(
+        io.BytesIO(raw), map_location=checkpoint_location, weights_only=False
+    )
     return state
 
 

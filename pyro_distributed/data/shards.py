@@ -73,9 +73,11 @@ def shard_indices(
     workers, rank = runtime.world_size(), runtime.rank()
     if shuffle:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        order = torch.randperm(n, generator=generator)
+        # cpu: the CPU generator's order
+        order = torch.randperm(n, generator=generator, device="cpu")
     else:
-        order = torch.arange(n)
+        # cpu: indices, moved to the data's device where they index it
+        order = torch.arange(n, device="cpu")
     if uneven == "drop":
         order = order[: n - n % workers]
     elif uneven == "pad":
@@ -119,7 +121,7 @@ def shard(data: Tensor, *, uneven: Uneven = "split") -> Tensor:
     # W makes each worker's sum count once.
     split = uneven == "split" and len(data) > 0
     scale = runtime.world_size() * len(indices) / len(data) if split else 1.0
-    return record_origin(data[indices], RowOrigin(len(data), indices, scale))
+    return record_origin(data[indices.to(data.device)], RowOrigin(len(data), indices, scale))
 
 
 def data_columns(data: Data, what: str) -> tuple[Tensor, ...]:
@@ -161,7 +163,8 @@ def block_batches(
     step = batch_size or max(len(block), 1)
     for start in range(block.start, block.stop, step):
         rows = range(start, min(start + step, block.stop))
-        origin = RowOrigin(size, torch.arange(rows.start, rows.stop))
+        # cpu: data_plate moves a RowOrigin's indices to the data's device.
+        origin = RowOrigin(size, torch.arange(rows.start, rows.stop, device="cpu"))
         yield tuple(record_origin(c[rows.start : rows.stop], origin) for c in columns), rows
 
 
@@ -220,12 +223,12 @@ class ShardSampler(Sampler[int]):
 
     def _block_indices(self) -> Tensor:
         block = block_range(self._length)
-        order = torch.arange(block.start, block.stop)
+        order = torch.arange(block.start, block.stop, device="cpu")  # cpu: a sampler's indices
         if self.shuffle:
             stream = derived_seed(self.seed, self.epoch, runtime.rank())
-            order = order[
-                torch.randperm(len(order), generator=torch.Generator().manual_seed(stream))
-            ]
+            generator = torch.Generator().manual_seed(stream)
+            # cpu: as order
+            order = order[torch.randperm(len(order), generator=generator, device="cpu")]
         length = len(self)
         if len(order) >= length:
             return order[:length]
@@ -265,7 +268,8 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
             missing = 0
         except StopIteration:
             missing = 1
-        flag = torch.tensor([missing], dtype=torch.int64)
+        # cpu: a Python flag, read back
+        flag = torch.tensor([missing], dtype=torch.int64, device="cpu")
         engine.allreduce_([flag], op="max")
         if flag.item():
             return

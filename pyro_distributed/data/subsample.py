@@ -177,7 +177,8 @@ class shard_subsamples(Messenger):
                 f"plate {msg['name']!r}: {workers} workers x subsample_size {per_worker} "
                 f"exceeds its size {size}; lower subsample_size to at most {size // workers}"
             )
-        permutation = torch.randperm(size, generator=shared_generator())
+        # cpu: drawn from the shared CPU generator (the same on every device), then moved.
+        permutation = torch.randperm(size, generator=shared_generator(), device="cpu")
         mine = permutation[rank * per_worker : (rank + 1) * per_worker]
         msg["value"] = mine.to(fn.device)
 
@@ -196,9 +197,12 @@ class shard_subsamples(Messenger):
             if self.local_updates == "sparse":  # [sparse-local] O(batch), not O(N/W)
                 draw = sparse.draw_rows(len(block), per_worker, block_generator())
             else:
-                draw = torch.randperm(len(block), generator=block_generator())[:per_worker]
+                # cpu: the CPU block generator's draw, moved to the plate's device below.
+                draw = torch.randperm(len(block), generator=block_generator(), device="cpu")[
+                    :per_worker
+                ]
             msg["value"] = (draw + block.start).to(fn.device)
-        indices = torch.as_tensor(msg["value"])
+        indices = torch.as_tensor(msg["value"])  # device: the value's own, if it has one
         outside = indices[(indices < block.start) | (indices >= block.stop)]
         if outside.numel():
             raise ValueError(

@@ -151,7 +151,8 @@ class HorovodEngine(Engine):
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         with self._collective("allgather of Python objects"):
             sizes = self.hvd.allgather(
-                torch.tensor([payload.numel()]),
+                # cpu: a size, beside a pickled payload
+                torch.tensor([payload.numel()], device="cpu"),
                 name=self._name("object_sizes"),
                 process_set=self._process_set,
             )

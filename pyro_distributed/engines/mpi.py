@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..devices import cuda_device_index
 from ..errors import PyroDistributedError
 from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp, describe_lost
 from .mpi_buffers import MPIBuffers, library_takes_cuda
@@ -177,6 +178,8 @@ class MPIEngine(Engine):
         node.Free()
         takes_cuda = library_takes_cuda(self._comm) if cuda_aware is None else cuda_aware
         self._memory = MPIBuffers(MPI, takes_cuda)
+        if torch.cuda.is_available():  # each worker its GPU, as the torch engine pins them
+            torch.cuda.set_device(cuda_device_index(self._local_rank, torch.cuda.device_count()))
         self._learn_peers()
 
     # --- where this worker stands ------------------------------------------------------------
@@ -312,8 +315,9 @@ class MPIEngine(Engine):
         MPI = self.MPI
         what = "allgather of Python objects"
         payload = pickle.dumps(obj)
-        mine = torch.tensor([len(payload)], dtype=torch.int64)
-        sizes = torch.zeros(self._world_size, dtype=torch.int64)
+        # cpu: sizes of a pickle
+        mine = torch.tensor([len(payload)], dtype=torch.int64, device="cpu")
+        sizes = torch.zeros(self._world_size, dtype=torch.int64, device="cpu")  # cpu: likewise
         with self._collective(what):
             request = self._comm.Iallgather(
                 self._memory.buffer(mine, MPI.INT64_T), [self._memory.buffer(sizes)[0], MPI.INT64_T]

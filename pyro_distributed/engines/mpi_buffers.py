@@ -80,7 +80,7 @@ class MPIBuffers:
         copies its result back (``None`` when MPI works on ``tensor`` itself)."""
         device = tensor.device.type
         if device == "cuda":
-            # Untested here: no GPU on the development machines.
+            # Untested on a GPU so far (scripts/gpu_check.sh runs it).
             torch.cuda.current_stream(tensor.device).synchronize()  # the values must be written
             if self.cuda_aware:
                 return contiguous(tensor)
@@ -92,7 +92,8 @@ class MPIBuffers:
                     "the copies)",
                     stacklevel=4,
                 )
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            # cpu: the pinned host copy MPI reads and writes in place of the CUDA tensor.
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True, device="cpu")
             host.copy_(tensor)
             return host, copier(tensor, host)
         if device != "cpu":

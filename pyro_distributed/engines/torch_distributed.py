@@ -6,6 +6,10 @@ the user already initialised, in which case it also leaves that group alone at
 shutdown. Groups it creates itself get the bounded time-out the user asked for,
 instead of torch's default of 30 minutes.
 
+Workers that share a GPU cannot use NCCL, which refuses two ranks on one
+device: the engine learns every worker's GPU at start and then sends CUDA
+tensors over gloo, with one warning (:func:`pyro_distributed.devices.cuda_transport`).
+
 Reductions of several tensors are issued asynchronously and then awaited, so
 the transport can pipeline them; every wait is bounded by the time-out.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from contextlib import suppress
 from datetime import timedelta
@@ -24,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.rendezvous import rendezvous
 
+from ..devices import cuda_device_index, cuda_transport, this_gpu
 from ..errors import PyroDistributedError
 from ..torch_internals import PrefixStore
 from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
@@ -87,6 +93,7 @@ class TorchEngine(Engine):
         self._cpu_group = self._group_for_cpu_tensors()
         self._cuda_group: Any = None  # the default group, when it has NCCL
         self._learn_peers()
+        self._cuda_backend = self._transport_for_cuda_tensors()
 
     def _join_group(self, timeout: timedelta) -> None:
         """Join the group torchrun describes, with keys unique to this restart.
@@ -110,7 +117,8 @@ class TorchEngine(Engine):
     @staticmethod
     def _default_backend() -> str:
         if torch.cuda.is_available() and dist.is_nccl_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(cuda_device_index(local_rank, torch.cuda.device_count()))
             return "cpu:gloo,cuda:nccl"
         return "gloo"
 
@@ -124,6 +132,22 @@ class TorchEngine(Engine):
         if "gloo" in self._backend:
             return None  # the default group
         return dist.new_group(backend="gloo", timeout=self._timeout)
+
+    def _transport_for_cuda_tensors(self) -> str | None:
+        """Decide, with every worker, how CUDA tensors travel (see :mod:`..devices`).
+
+        Workers that share a GPU cannot use NCCL: their CUDA tensors go over a
+        gloo group (made here, by every worker alike), with one warning.
+        """
+        transport = cuda_transport(self._backend, self.allgather_object(this_gpu()))
+        if transport.backend == "gloo":
+            if transport.warning and self._rank == 0:
+                warnings.warn(transport.warning, RuntimeWarning, stacklevel=4)
+            if "nccl" in self._backend:
+                # The default group would hand CUDA tensors to NCCL: a gloo group of our own.
+                with self._collective("creating a process group"):
+                    self._cuda_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        return transport.backend
 
     @property
     def rank(self) -> int:
@@ -141,7 +165,7 @@ class TorchEngine(Engine):
         device = tensor.device.type
         if device == "cpu":
             return self._cpu_group
-        if device == "cuda" and "nccl" in self._backend:
+        if device == "cuda" and self._cuda_backend is not None:
             return self._cuda_group
         raise PyroDistributedError(
             f"a {device} tensor cannot travel on this process group (backend "
@@ -167,8 +191,10 @@ class TorchEngine(Engine):
         channel.__dict__.update(self.__dict__, _owns_group=False)
         with self._collective("creating a process group"):
             channel._cpu_group = dist.new_group(backend="gloo", timeout=self._timeout)
-            if "nccl" in self._backend:
-                channel._cuda_group = dist.new_group(backend="nccl", timeout=self._timeout)
+            if self._cuda_backend is not None:
+                channel._cuda_group = dist.new_group(
+                    backend=self._cuda_backend, timeout=self._timeout
+                )
         return channel
 
     def broadcast_(self, tensors: Sequence[Tensor], src: int = 0) -> None:

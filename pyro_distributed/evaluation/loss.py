@@ -145,7 +145,8 @@ def evaluate_loss(
             break
     # The refusal travels with the sum, so that workers whose block raised no
     # doubt (an empty one, say) fail with the others instead of waiting.
-    buffer = torch.tensor([total, float(refusal is not None)], dtype=torch.float64)
+    # cpu: a Python float and a flag, read back at once; every engine carries CPU tensors.
+    buffer = torch.tensor([total, float(refusal is not None)], dtype=torch.float64, device="cpu")
     engine = runtime.current_engine()
     engine.allreduce_([buffer], op="sum")
     if refusal is not None:

@@ -197,7 +197,8 @@ class Predictive:
 def _unseeded_base() -> int:
     """A seed from this worker's torch generator, mixed with its rank: workers
     whose generators were seeded alike still draw independent samples."""
-    drawn = int(torch.randint(0, 2**31 - 1, ()).item())
+    # cpu: a seed, from torch's CPU RNG
+    drawn = int(torch.randint(0, 2**31 - 1, (), device="cpu").item())
     return derived_seed(drawn, runtime.rank())
 
 

@@ -167,7 +167,10 @@ class ParameterAgreement:
         same collective as the digest, which saves the caller a round trip.
         """
         names, given, new = list(proposal.names), proposal.given, list(proposal.new)
-        header = torch.tensor([proposal.digest, -proposal.digest, *riders], dtype=torch.int64)
+        # cpu: Python ints read back at once; every engine carries CPU tensors.
+        header = torch.tensor(
+            [proposal.digest, -proposal.digest, *riders], dtype=torch.int64, device="cpu"
+        )
         self._engine.allreduce_([header], op="max")
         unanimous = header[0].item() == -header[1].item()
         borrowed: frozenset[str] = frozenset()

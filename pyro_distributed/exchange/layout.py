@@ -108,7 +108,7 @@ def plan_buckets(
         groups.setdefault((group, tensor.device, tensor.dtype), []).append(index)
     buckets = []
     for (_, device, dtype), indices in groups.items():
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         wide = norm_slot and dtype in (torch.float32, torch.float64)
         current: list[int] = []
         current_bytes = 0

@@ -225,7 +225,8 @@ class BackwardOverlap:
         """Adopt worker 0's order of readiness; a collective, made by every worker at once."""
         count = len(self._averager.buckets)
         unseen = [index for index in range(count) if index not in self._observed]
-        order = torch.tensor(self._observed + unseen, dtype=torch.int64)
+        # cpu: read back
+        order = torch.tensor(self._observed + unseen, dtype=torch.int64, device="cpu")
         self._engine.broadcast_([order], src=0)
         self._order = order.tolist()
         last = self._order[-1]

@@ -58,12 +58,13 @@ class IndexedDataset(Dataset[tuple[Any, ...]]):
     def _global_indices(self, index: Any) -> Tensor:
         """The indices that ``index`` selects, in O(rows selected): the loader asks
         for one row at a time, so nothing here may cost O(len(dataset))."""
+        # On the CPU, as the loader's own indices: it batches them with the rows.
         size = len(self)
         if isinstance(index, int):  # the loader's case; the data set checked the range
-            return torch.tensor(index + size if index < 0 else index)
+            return torch.tensor(index + size if index < 0 else index, device="cpu")  # cpu: an index
         if isinstance(index, slice):
-            return torch.arange(*index.indices(size))
-        selected = torch.as_tensor(index)
+            return torch.arange(*index.indices(size), device="cpu")  # cpu: indices
+        selected = torch.as_tensor(index)  # device: the index's own, if it has one
         if selected.dtype == torch.bool:
             return selected.nonzero().flatten()
         if selected.numel() and not bool(((selected >= -size) & (selected < size)).all()):

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..devices import checkpoint_location
 from ..engines import Engine
 from ..errors import PyroDistributedError
 from .registry import LocalParam
@@ -172,7 +173,9 @@ def _overlapping_files(
             continue
         file = block_path(path, token, rank, saved_workers)
         try:
-            saved: dict[str, Any] = torch.load(file, weights_only=False)
+            saved: dict[str, Any] = torch.load(
+                file, map_location=checkpoint_location, weights_only=False
+            )
         except FileNotFoundError as exc:
             raise FileNotFoundError(
                 f"the checkpoint {os.fspath(path)!r} names block file {file.name!r}, which "

@@ -61,7 +61,7 @@ def local_rows(name: str, *, module: torch.nn.Module | None = None) -> tuple[Ten
     """
     param, value = _named(name, module)
     if param is None:
-        return torch.arange(len(value)), value
+        return torch.arange(len(value), device=value.device), value
     length = length_along(value, param)
     rows = param.rows
     if length != len(rows):
@@ -69,7 +69,7 @@ def local_rows(name: str, *, module: torch.nn.Module | None = None) -> tuple[Ten
             f"local parameter {name!r} holds {length} rows, not this worker's block of "
             f"{len(rows)}: it has not been used under shard_subsamples(own_local_params=True)"
         )
-    return torch.arange(rows.start, rows.stop), value
+    return torch.arange(rows.start, rows.stop, device=value.device), value
 
 
 def gather_param(

@@ -168,20 +168,21 @@ def draw_rows(length: int, count: int, generator: torch.Generator) -> Tensor:
     a large fraction (``length < PERMUTE_BELOW * count``) the permutation is
     cheap, and used, so that a batch of a whole block draws as the dense mode does.
     """
+    device = generator.device  # the generator's: the CPU one for the library's own draws
     if length < PERMUTE_BELOW * count:
-        return torch.randperm(length, generator=generator)[:count]
-    chosen = torch.randint(length, (count,), generator=generator)
+        return torch.randperm(length, generator=generator, device=device)[:count]
+    chosen = torch.randint(length, (count,), generator=generator, device=device)
     while True:
         distinct, position = torch.unique(chosen, return_inverse=True)
         if len(distinct) == len(chosen):
             return chosen
         # The first sighting of each row, in the order drawn.
-        order = torch.arange(len(chosen))
-        first = torch.full((len(distinct),), len(chosen)).scatter_reduce_(
+        order = torch.arange(len(chosen), device=device)
+        first = torch.full((len(distinct),), len(chosen), device=device).scatter_reduce_(
             0, position, order, reduce="amin"
         )
         kept = chosen[first.sort().values]
-        fresh = torch.randint(length, (count - len(kept),), generator=generator)
+        fresh = torch.randint(length, (count - len(kept),), generator=generator, device=device)
         chosen = torch.cat([kept, fresh])
 
 

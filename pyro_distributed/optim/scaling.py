@@ -63,9 +63,15 @@ DEFAULT_WORKERS = tuple(2**k for k in range(10))
 
 
 def measure_collective(
-    engine: Engine | None = None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 10
+    engine: Engine | None = None,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 10,
+    device: torch.device | str = "cpu",
 ) -> list[tuple[int, float]]:
     """Time float32 all-reduces of ``sizes`` bytes; ``(bytes, median seconds)`` each.
+
+    ``device``: where the timed buffers live, that of the gradients they stand
+    for (``"cuda"`` times NCCL, or whatever carries CUDA tensors).
 
     A collective: every worker calls it. The workers' medians are averaged,
     so every worker returns the same timings.
@@ -80,7 +86,7 @@ def measure_collective(
         raise ValueError(f"repeats must be at least 1, got {repeats!r}")
     medians = []
     for size in sizes:
-        buffer = torch.zeros(max(1, size // 4))
+        buffer = torch.zeros(max(1, size // 4), device=device)
         engine.allreduce_([buffer])  # the first of a size sets up buffers: untimed
         seconds = []
         for _ in range(repeats):
@@ -88,7 +94,8 @@ def measure_collective(
             engine.allreduce_([buffer])
             seconds.append(time.perf_counter() - started)
         medians.append(statistics.median(seconds))
-    shared = torch.tensor(medians, dtype=torch.float64)
+    # cpu: timings, a host-side control
+    shared = torch.tensor(medians, dtype=torch.float64, device="cpu")
     engine.allreduce_([shared], op="mean")
     return list(zip(sizes, shared.tolist(), strict=True))
 
@@ -327,11 +334,16 @@ def scaling_advice(
         started = time.perf_counter()
         step()
         seconds.append(time.perf_counter() - started)
-    shared = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
+    # cpu: a timing
+    shared = torch.tensor([statistics.median(seconds)], dtype=torch.float64, device="cpu")
     engine.allreduce_([shared], op="mean")
     step_s = float(shared[0])
     sizes = sorted({*DEFAULT_SIZES, int(gradient_bytes)})
-    cost = CollectiveCost.fit(measure_collective(engine, sizes), engine.world_size)
+    # Timed on the device the gradients live on: NCCL's cost, not gloo's, on a GPU.
+    stored = pyro.get_param_store().named_parameters()
+    device = next((p.device for _, p in stored), torch.device("cpu"))
+    timings = measure_collective(engine, sizes, device=device)
+    cost = CollectiveCost.fit(timings, engine.world_size)
     if compute_s is None:
         compute_s = max(step_s - cost.seconds(gradient_bytes), 0.0)
     else:
