@@ -55,6 +55,7 @@ from ..local.sparse import check_local_updates
 from ..optim.torch_optimizer import DistributedTorchOptimizer
 from . import checkpoints, collectives, internals
 from .data import EvaluationSampler, is_plain_sampler
+from .layer_sync import apply_layer_sync
 
 __all__ = ["PyroDistributedStrategy"]
 
@@ -255,11 +256,15 @@ class PyroDistributedStrategy(DDPStrategy):
         """DDP's set-up without the ``DistributedDataParallel`` wrapper."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # sync_batchnorm=True: applied where it works, else refused by name
+            self.model = apply_layer_sync(
+                self._layer_sync, self.model, self.root_device, self.engine
+            )
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         collectives.broadcast_module(self.engine, self.model)
         internals.disable_sampler_injection(trainer)
-        fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

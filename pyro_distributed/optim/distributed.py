@@ -49,7 +49,11 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         A ``torch.optim.Optimizer`` instead (Pyro's torch-native loop) gives a
         :class:`~pyro_distributed.optim.torch_optimizer.DistributedTorchOptimizer`,
         which is a torch optimizer itself and takes the same arguments but
-        ``multi_tensor``.
+        ``multi_tensor``. ``isinstance(that, DistributedOptimizer)`` holds (it
+        is registered as a virtual subclass: one constructor, one type to
+        test), but it is no ``PyroOptim``; test
+        ``isinstance(optim, pd.DistributedTorchOptimizer)`` to tell the two
+        front ends apart.
     :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"``, ``"mpi"``,
         ``"local"``, or a running :class:`~pyro_distributed.engines.Engine`.
         A name other than ``"local"`` is bound at the first step, not here,
@@ -294,6 +298,14 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.wrapped!r}, engine={self._step.describe_engine()})"
+
+
+# DistributedOptimizer(torch_optimizer) returns a DistributedTorchOptimizer, so
+# isinstance(optim, DistributedOptimizer) holds for whatever that one
+# constructor returns. It is a virtual subclass, not a real one: it is a
+# torch.optim.Optimizer, not a PyroOptim, and inherits nothing from this
+# class; isinstance(optim, DistributedTorchOptimizer) tells the two apart.
+DistributedOptimizer.register(DistributedTorchOptimizer)
 
 
 def _by_store_name(params: Iterable[Tensor]) -> dict[str, Tensor]:

@@ -137,6 +137,11 @@ class ModuleBuffers:
             self._checked = False
         return self._roots
 
+    @property
+    def roots(self) -> list[torch.nn.Module]:
+        """The modules found at the last step."""
+        return self._roots
+
     def forget(self) -> None:
         """Find the modules again at the next step (after parameters were replaced)."""
         self._seen = {}

@@ -41,7 +41,7 @@ from ..exchange.sync import Exchanged, GradientSync
 from ..local.gradients import LocalGradients, split_local
 from ..local.sparse import RowGradients
 from .consistency import assert_in_sync
-from .module_buffers import ModuleBuffers
+from .module_buffers import ModuleBuffers, named_buffers
 from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .options import EngineBinding, check_options, make_sync
 from .sparse_step import nonfinite, scale_rows
@@ -239,6 +239,11 @@ class DataParallelStep:
             raise ValueError("noise_scale() needs DistributedOptimizer(..., noise_scale=True)")
         return self._noise.estimate(batch_size)
 
+    def buffers(self) -> dict[str, Tensor]:
+        """The buffers of the modules trained so far, all dtypes (none before the first step)."""
+        roots = self._buffers.roots if self._buffers is not None else []
+        return dict(named_buffers(roots))
+
     def forget(self) -> None:
         """Treat every tensor as new (after a checkpoint replaced them)."""
         if self._sync is not None:
@@ -287,6 +292,11 @@ class FrontEnd(ABC):
     def check_every(self) -> int | None:
         """Run :func:`~pyro_distributed.assert_in_sync` after every ``check_every``-th step."""
         return self._step.options.check_every
+
+    def checked_buffers(self) -> dict[str, Tensor]:
+        """The buffers of the modules this optimizer trains, by names shared by
+        every worker (:mod:`.module_buffers`), all dtypes."""
+        return self._step.buffers()
 
     @abstractmethod
     def checked_tensors(self) -> dict[str, Tensor]:
