@@ -26,7 +26,6 @@ from ..engines import Engine
 from ..exchange.compression import Compression
 from ..local.sparse import RowGradients
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
-from .noise_scale import NoiseScale
 from .schedulers import step_schedulers
 from .sparse_step import SparseStepper
 from .step import DataParallelStep, FrontEnd, StepOptions
@@ -165,13 +164,8 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
-        options = StepOptions.checked(
-            bucket_cap_mb=bucket_cap_mb,
-            nonfinite=nonfinite,
-            check_every=check_every,
-            compression=compression,
-            overlap=overlap,
-            noise_scale=noise_scale,
+        options = StepOptions.of(
+            bucket_cap_mb, nonfinite, check_every, compression, overlap, noise_scale
         )
         check_bool("multi_tensor", multi_tensor, optional=True)
         self._configure(pyro_optim, engine, options, multi_tensor)
@@ -248,14 +242,6 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         else:
             self.wrapped(params, *args, **kwargs)  # type: ignore[arg-type]
         self._sparse.step(sparse)
-
-    def noise_scale(self, batch_size: int | None = None) -> NoiseScale:
-        """The gradient noise scale so far (needs ``noise_scale=True``); no communication.
-
-        ``batch_size`` (data points per worker per step) adds B_simple in data
-        points. ``print(optim.noise_scale(32))`` shows the figures and a reading.
-        """
-        return self._step.noise_scale(batch_size)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Step the wrapped optimizer's learning-rate schedulers.

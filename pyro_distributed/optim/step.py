@@ -65,9 +65,8 @@ class StepOptions:
     noise_scale: bool | float = False
 
     @classmethod
-    def checked(
+    def of(
         cls,
-        *,
         bucket_cap_mb: float,
         nonfinite: Literal["skip", "raise"],
         check_every: int | None,
@@ -292,6 +291,14 @@ class FrontEnd(ABC):
     def check_every(self) -> int | None:
         """Run :func:`~pyro_distributed.assert_in_sync` after every ``check_every``-th step."""
         return self._step.options.check_every
+
+    def noise_scale(self, batch_size: int | None = None) -> NoiseScale:
+        """The gradient noise scale so far (needs ``noise_scale=True``); no communication.
+
+        ``batch_size`` (data points per worker per step) adds B_simple in data
+        points. ``print(optim.noise_scale(32))`` shows the figures and a reading.
+        """
+        return self._step.noise_scale(batch_size)
 
     def checked_buffers(self) -> dict[str, Tensor]:
         """The buffers of the modules this optimizer trains, by names shared by

@@ -46,7 +46,6 @@ from ..exchange.compression import Compression
 from ..internals import init_optimizer_hooks
 from ..local.gradients import split_local
 from ..local.sparse import RowGradients
-from .noise_scale import NoiseScale
 from .sparse_step import TorchSparseStepper
 from .step import DataParallelStep, FrontEnd, StepOptions, Stepped
 from .step_guards import GradStamps, check_state_fits
@@ -136,13 +135,8 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
             raise TypeError(
                 "optimizer is already a DistributedTorchOptimizer; wrap the plain optimizer once"
             )
-        options = StepOptions.checked(
-            bucket_cap_mb=bucket_cap_mb,
-            nonfinite=nonfinite,
-            check_every=check_every,
-            compression=compression,
-            overlap=overlap,
-            noise_scale=noise_scale,
+        options = StepOptions.of(
+            bucket_cap_mb, nonfinite, check_every, compression, overlap, noise_scale
         )
         self.wrapped = optimizer
         self._synchronized: Stepped | None = None
@@ -188,13 +182,13 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
     def defaults(self, defaults: dict[str, Any]) -> None:
         self.wrapped.defaults = defaults
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.wrapped.state_dict()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wrapped.zero_grad(set_to_none)
         # The gradients of rows handed out under local_updates="sparse" too.
         self._sparse.zero_grad()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.wrapped.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wrapped.load_state_dict(state_dict)
@@ -294,10 +288,6 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
                 UserWarning,
                 stacklevel=3,
             )
-
-    def noise_scale(self, batch_size: int | None = None) -> NoiseScale:
-        """The gradient noise scale so far (needs ``noise_scale=True``); no communication."""
-        return self._step.noise_scale(batch_size)
 
     def get_state(self) -> dict[str, Any]:
         """Per-parameter optimizer state of the replicated parameters, by exchange
