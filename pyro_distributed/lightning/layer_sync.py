@@ -24,10 +24,10 @@ import torch
 from ..engines import Engine
 from ..errors import PyroDistributedError
 
-__all__ = ["apply_layer_sync"]
+__all__ = ["apply"]
 
 
-def apply_layer_sync(
+def apply(
     layer_sync: Any, model: torch.nn.Module, device: torch.device, engine: Engine
 ) -> torch.nn.Module:
     """``model`` with Lightning's ``layer_sync`` applied, or ``model`` if there is none.

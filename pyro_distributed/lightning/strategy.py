@@ -53,9 +53,8 @@ from ..engines import ENGINE_NAMES, Engine
 from ..errors import PyroDistributedError
 from ..local.sparse import check_local_updates
 from ..optim.torch_optimizer import DistributedTorchOptimizer
-from . import checkpoints, collectives, internals
+from . import checkpoints, collectives, internals, layer_sync
 from .data import EvaluationSampler, is_plain_sampler
-from .layer_sync import apply_layer_sync
 
 __all__ = ["PyroDistributedStrategy"]
 
@@ -257,10 +256,8 @@ class PyroDistributedStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:  # sync_batchnorm=True: applied where it works, else refused by name
-            self.model = apply_layer_sync(
-                self._layer_sync, self.model, self.root_device, self.engine
-            )
+        wanted = self._layer_sync if fitting else None  # sync_batchnorm: applied, or refused
+        self.model = layer_sync.apply(wanted, self.model, self.root_device, self.engine)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         collectives.broadcast_module(self.engine, self.model)

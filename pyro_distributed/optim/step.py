@@ -218,7 +218,7 @@ class DataParallelStep:
             step_optimizer(stepped.tensors)
         else:
             extra = nonfinite(stepped.sparse)
-            refuse_nonfinite(named(), self.num_steps, options.nonfinite, 6, extra)
+            refuse_nonfinite(named(), self.num_steps, options.nonfinite, 5, extra)
         stepped.exchanged.release_borrowed()
         assert self._buffers is not None  # made with the exchange
         self._buffers.average(
