@@ -36,13 +36,14 @@ counts the same batches. :func:`~pyro_distributed.assert_in_sync` compares
 them with the floating-point ones.
 
 The cost: one all-reduce per step of the buffers' bytes (one per dtype),
-and nothing at all when the trained modules have no floating-point buffer.
+started before the wrapped optimizer steps and awaited after it, and
+nothing at all when the trained modules have no floating-point buffer.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -146,38 +147,41 @@ class ModuleBuffers:
         """Find the modules again at the next step (after parameters were replaced)."""
         self._seen = {}
 
-    def average(self, named: Mapping[str, Tensor]) -> None:
-        """Average the buffers of the modules holding ``named`` (the parameters
-        just stepped, by names every worker shares). A collective when there
-        are buffers, on every worker alike."""
+    def start(self, named: Mapping[str, Tensor]) -> Callable[[], None]:
+        """Start averaging the buffers of the modules holding ``named`` (the
+        parameters of this step, by names every worker shares); the returned
+        function finishes it. A collective when there are buffers, on every
+        worker alike; it travels while the optimizer steps (which reads no
+        buffer), so it costs little more than its bytes."""
         buffers = named_buffers(self.found(named), floating_only=True)
         if not self._checked:
             self._check(buffers)
-        if not buffers:
-            return
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for _, buffer in buffers:
             by_dtype.setdefault(buffer.dtype, []).append(buffer)
-        deltas = []
+        sent = []
         for dtype, group in by_dtype.items():
             flat = torch.cat([buffer.detach().reshape(-1) for buffer in group])
             agreed = self._agreed.get(dtype)
             if agreed is None or agreed.shape != flat.shape:
                 agreed = torch.zeros_like(flat)
-            deltas.append((dtype, group, agreed, flat.sub_(agreed)))
-        self._engine.allreduce_(
-            [delta for *_, delta in deltas],
-            op="sum",
-            names=[f"pyro_distributed.buffers.{dtype}" for dtype, *_ in deltas],
-        )
-        inverse = 1.0 / self._engine.world_size
-        with torch.no_grad():
-            for dtype, group, agreed, delta in deltas:
-                new = agreed.add_(delta.mul_(inverse))
-                self._agreed[dtype] = new
-                chunks = torch.split(new, [buffer.numel() for buffer in group])
-                for buffer, chunk in zip(group, chunks, strict=True):
-                    buffer.copy_(chunk.view_as(buffer))
+            delta = flat.sub_(agreed)  # this worker's change since the last step
+            name = f"pyro_distributed.buffers.{dtype}"
+            pending = self._engine.allreduce_async_(delta, op="sum", name=name)
+            sent.append((pending, dtype, group, agreed, delta))
+
+        def finish() -> None:
+            inverse = 1.0 / self._engine.world_size
+            for pending, dtype, group, agreed, delta in sent:
+                pending.wait()
+                with torch.no_grad():
+                    new = agreed.add_(delta.mul_(inverse))
+                    self._agreed[dtype] = new
+                    chunks = torch.split(new, [buffer.numel() for buffer in group])
+                    for buffer, chunk in zip(group, chunks, strict=True):
+                        buffer.copy_(chunk.view_as(buffer))
+
+        return finish
 
     def _check(self, buffers: list[tuple[str, Tensor]]) -> None:
         """Check that every worker found the same buffers (a collective, once)."""

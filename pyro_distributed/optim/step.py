@@ -210,24 +210,26 @@ class DataParallelStep:
         :param named: the stepped parameters by name, for the error or warning
             of a non-finite step.
         """
-        sync, options = self._sync, self.options
-        assert sync is not None  # start() said so
-        if stepped.finite:
-            if self._noise is not None and stepped.exchanged.tensors:  # before any clipping
-                self._noise.observe(*sync.squared_norms())
-            step_optimizer(stepped.tensors)
-        else:
-            extra = nonfinite(stepped.sparse)
-            refuse_nonfinite(named(), self.num_steps, options.nonfinite, 5, extra)
-        stepped.exchanged.release_borrowed()
-        assert self._buffers is not None  # made with the exchange
-        self._buffers.average(
-            {
-                **dict(zip(stepped.exchanged.names, stepped.exchanged.tensors, strict=True)),
-                **stepped.local,
-                **{rows.name: rows.tensor for rows in stepped.sparse},
-            }
-        )
+        sync, options, buffers = self._sync, self.options, self._buffers
+        assert sync is not None and buffers is not None  # start() said so
+        if stepped.finite and self._noise is not None and stepped.exchanged.tensors:
+            self._noise.observe(*sync.squared_norms())  # before the optimizer clips
+        exchanged = stepped.exchanged
+        named_now = {
+            **dict(zip(exchanged.names, exchanged.tensors, strict=True)),
+            **stepped.local,
+            **{rows.name: rows.tensor for rows in stepped.sparse},
+        }
+        finish_buffers = buffers.start(named_now)  # travels while the optimizer steps
+        try:
+            if stepped.finite:
+                step_optimizer(stepped.tensors)
+            else:
+                extra = nonfinite(stepped.sparse)
+                refuse_nonfinite(named(), self.num_steps, options.nonfinite, 5, extra)
+        finally:
+            finish_buffers()
+        exchanged.release_borrowed()
         if options.check_every and self.num_steps % options.check_every == 0:
             assert_in_sync(front_end)
 
