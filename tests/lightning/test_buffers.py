@@ -29,7 +29,7 @@ def fit(tmp_path: Path, workers: int, *options: str) -> list[dict[str, Any]]:
     env["MASTER_PORT"] = str(free_port())
     command = [sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(workers)]
     done = subprocess.run(
-        [*command, *options], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT
+        [*command, *options], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT
     )
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-6000:]}"
     return [torch.load(out / f"rank{rank}.pt") for rank in range(workers)]
