@@ -541,8 +541,8 @@ def fitted_cost(parameters: Sequence[tuple[str, Tensor]]) -> dict[str, float]:
     cost = {"gradient_bytes": float(gradient_bytes)}
     if pyro_distributed.world_size() > 1:
         sizes = sorted({*pyro_distributed.optim.scaling.DEFAULT_SIZES, gradient_bytes})
-        timings = pyro_distributed.measure_collective(sizes=sizes)
-        fit = pyro_distributed.CollectiveCost.fit(timings, pyro_distributed.world_size())
+        timings = pyro_distributed.scaling.measure_collective(sizes=sizes)
+        fit = pyro_distributed.scaling.CollectiveCost.fit(timings, pyro_distributed.world_size())
         cost.update(latency_s=fit.latency_s, bandwidth=fit.bandwidth)
     return cost
 

@@ -1,4 +1,4 @@
-"""Check the cost model behind ``pd.scaling_advice`` against measured step times.
+"""Check the cost model behind ``pd.scaling.scaling_advice`` against measured step times.
 
     python benchmarks/validate_cost_model.py [--repeats 5] [--fit-on vae]
 
@@ -7,7 +7,7 @@ independent one-worker processes at once (the compute time of a step beside
 a second worker, without communication; the slower counts) and on two
 workers under torchrun, where the worker also fits the all-reduce cost
 (``--fit-cost``: latency + bytes / bandwidth from timed all-reduces of a few
-sizes, :func:`pyro_distributed.measure_collective`). Then, with the medians:
+sizes, :func:`pyro_distributed.scaling.measure_collective`). Then, with the medians:
 
 1. on the ``--fit-on`` workload (each in turn by default), the latency is
    re-fitted to its measured W=2 step (:meth:`CollectiveCost.in_step`:

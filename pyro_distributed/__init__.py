@@ -22,28 +22,26 @@ the optimizers users hand to SVI and ``data`` decides which rows each worker
 sees; ``local`` keeps per-data-point parameters on their owner and
 ``exchange`` moves gradients between workers without knowing Pyro, so that
 any front end can call it; ``engines`` are the transports. Every public name
-is re-exported here, so users never need the subpackages.
+is re-exported here, so users never need the subpackages; the scaling
+planner's five names stay together in one namespace, ``pd.scaling``
+(``pd.scaling.scaling_advice(...)``).
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data.plates import data_plate
 from .data.shards import ShardSampler, even_batches, shard, shard_indices
 from .data.subsample import shard_subsamples
+from .engines import Engine
 from .errors import PyroDistributedError
 from .evaluation.loss import evaluate_loss
 from .evaluation.predictive import Predictive
 from .local.rows import gather_param, local_rows
+from .optim import scaling
 from .optim.consistency import assert_in_sync
 from .optim.distributed import DistributedOptimizer
 from .optim.horovod import HorovodOptimizer
 from .optim.noise_scale import NoiseScale
-from .optim.scaling import (
-    CollectiveCost,
-    ScalingProjection,
-    measure_collective,
-    project_scaling,
-    scaling_advice,
-)
+from .optim.torch_optimizer import DistributedTorchOptimizer
 from .runtime import (
     all_mean,
     all_workers,
@@ -62,13 +60,13 @@ from .seeding import set_rng_seed
 __version__ = "0.1.0"
 
 __all__ = [
-    "CollectiveCost",
     "DistributedOptimizer",
+    "DistributedTorchOptimizer",
+    "Engine",
     "HorovodOptimizer",
     "NoiseScale",
     "Predictive",
     "PyroDistributedError",
-    "ScalingProjection",
     "ShardSampler",
     "all_mean",
     "all_workers",
@@ -85,11 +83,9 @@ __all__ = [
     "load_checkpoint",
     "local_rank",
     "local_rows",
-    "measure_collective",
-    "project_scaling",
     "rank",
     "save_checkpoint",
-    "scaling_advice",
+    "scaling",
     "set_rng_seed",
     "shard",
     "shard_indices",

@@ -165,6 +165,19 @@ class GradientAverager:
         narrowed = wire.dtype != restored.dtype
         return _scaled(restored, self._scales(narrowed)[1])
 
+    def average_alone_(self, tensor: Tensor) -> Tensor:
+        """``tensor``, in place, as averaging it with W-1 zero contributions leaves it.
+
+        The same scaling and compression as a bucket's (:meth:`encode`, then
+        :meth:`decode`), since a sum that adds exact zeros changes nothing: a
+        gradient that never travels (a local parameter's) comes out bitwise
+        as the exchange would have averaged it, for every ``op``,
+        ``predivide`` and compression.
+        """
+        wire, context = self.encode(tensor)
+        averaged = self.decode(wire, context)
+        return averaged if averaged is tensor else tensor.copy_(averaged)
+
     def unpack(self, index: int, flat: Tensor) -> bool:
         """Point each member's ``.grad`` into the averaged ``flat``; return whether it is finite."""
         bucket = self.buckets[index]

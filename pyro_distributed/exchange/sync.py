@@ -167,6 +167,12 @@ class GradientSync:
             overlap.discard()
         return step, self._averager.average_(step.names, step.tensors), raised
 
+    def average_alone_(self, tensor: Tensor) -> Tensor:
+        """``tensor``, in place, as the exchange would average it if every other
+        worker sent zeros for it (a local parameter's gradient, which never
+        travels); no communication. See ``GradientAverager.average_alone_``."""
+        return self._averager.average_alone_(tensor)
+
     def squared_norms(self) -> tuple[float, float]:
         """``(mean_i |g_i|^2, |mean_i g_i|^2)`` of the last exchange (needs
         ``measure_norms``); a collective when a bucket could not carry its norm."""

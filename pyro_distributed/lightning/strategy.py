@@ -53,7 +53,7 @@ from ..engines import ENGINE_NAMES, Engine, engine_class
 from ..errors import PyroDistributedError
 from ..local.sparse import check_local_updates
 from ..optim.torch_optimizer import DistributedTorchOptimizer
-from . import checkpoints, collectives, internals
+from . import checkpoints, collectives, internals, layer_sync
 from .data import EvaluationSampler, is_plain_sampler
 
 __all__ = ["PyroDistributedStrategy"]
@@ -255,11 +255,13 @@ class PyroDistributedStrategy(DDPStrategy):
         """DDP's set-up without the ``DistributedDataParallel`` wrapper."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        wanted = self._layer_sync if fitting else None  # sync_batchnorm: applied, or refused
+        self.model = layer_sync.apply(wanted, self.model, self.root_device, self.engine)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         collectives.broadcast_module(self.engine, self.model)
         internals.disable_sampler_injection(trainer)
-        fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -1,14 +1,15 @@
 """What the optimizer does with local parameters' gradients at each step.
 
 A local parameter's gradient never travels. Replicated, its rows would be
-averaged with W-1 zero contributions, which is the owner's gradient times
-1/W; :func:`scale_local_grads` multiplies by exactly that factor, so the rows
-come out bitwise as the replicated path computes them.
+averaged with W-1 zero contributions; :func:`scale_local_grads` applies the
+scaling the exchange applies to an average (given by the caller, the
+optimizer step: ``GradientSync.average_alone_``), so the rows come out
+bitwise as the replicated path computes them, at any W.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -24,7 +25,10 @@ from .registry import (
     registered,
 )
 
-__all__ = ["LocalGradients", "scale_local_grads", "split_local"]
+__all__ = ["LocalGradients", "Scale", "scale_local_grads", "split_local"]
+
+#: Turns a gradient, in place, into what averaging it with W-1 zeros gives.
+Scale = Callable[[Tensor], Tensor]
 
 
 def split_local(named: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -43,15 +47,14 @@ def split_local(named: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[st
     return replicated, local
 
 
-def scale_local_grads(params: Mapping[str, Tensor], world_size: int) -> bool:
-    """Multiply local gradients by 1/W, in place; return whether all are finite.
+def scale_local_grads(params: Mapping[str, Tensor], scale: Scale) -> bool:
+    """Scale local gradients as an average, in place; return whether all are finite.
 
-    1/W is what averaging them with W-1 zero contributions gives, and bitwise
-    so: the average is computed as a sum, which adds exact zeros, times 1/W.
-    Only the rows selected since the last step can be non-zero, so only those
-    are scaled and checked: O(batch) work instead of O(N/W).
+    ``scale`` is what averaging a gradient with W-1 zero contributions does
+    to it, bitwise (the exchange's own scaling). Only the rows selected since
+    the last step can be non-zero, so only those are scaled and checked:
+    O(batch) work instead of O(N/W).
     """
-    factor = 1.0 / world_size
     finite = True
     for name, param in params.items():
         touched = pop_touched(name)
@@ -60,12 +63,12 @@ def scale_local_grads(params: Mapping[str, Tensor], world_size: int) -> bool:
         if grad is None:
             continue
         if touched is None or record is None:
-            grad.mul_(factor)
+            scale(grad)
             finite = finite and bool(torch.isfinite(grad).all())
             continue
         axis = record.axis % grad.dim()
         rows = torch.unique(torch.cat(touched))
-        scaled = grad.index_select(axis, rows).mul_(factor)
+        scaled = scale(grad.index_select(axis, rows))
         grad.index_copy_(axis, rows, scaled)
         finite = finite and bool(torch.isfinite(scaled).all())
     return finite
@@ -78,8 +81,9 @@ class LocalGradients:
         self._engine = engine
         self._agreed: set[str] = set()
 
-    def prepare(self, params: Mapping[str, Tensor], also_finite: bool = True) -> bool:
-        """Scale the gradients by 1/W; return whether this worker's are finite.
+    def prepare(self, params: Mapping[str, Tensor], scale: Scale, also_finite: bool = True) -> bool:
+        """Scale the gradients with ``scale`` (:func:`scale_local_grads`); return
+        whether this worker's are finite.
 
         ``also_finite``: whether this worker's gradients checked elsewhere
         (sparse local rows, :mod:`pyro_distributed.optim.sparse_step`) are
@@ -96,7 +100,7 @@ class LocalGradients:
         if fresh:
             _check_plates_agree(self._engine, {name: registered(name) for name in fresh})
             self._agreed.update(fresh)
-        return scale_local_grads(params, self._engine.world_size) and also_finite
+        return scale_local_grads(params, scale) and also_finite
 
 
 def _check_plates_agree(engine: Engine, params: dict[str, LocalParam]) -> None:

@@ -3,10 +3,11 @@
 Averaging keeps workers bitwise identical only if everything else does too:
 the same optimizer arguments, no per-worker edits to the param store, no
 second-order optimizer working on a local Hessian. :func:`assert_in_sync`
-checks, in one collective, a checksum of every parameter and every
-per-parameter optimizer state, and names the first that differs. Local
-parameters (:mod:`pyro_distributed.local`) are left out: each worker
-holds its own rows of them.
+checks, in one collective, a checksum of every parameter, every
+per-parameter optimizer state and every buffer of the modules being trained
+(:mod:`.module_buffers`: floating-point and integer ones), and names the
+first that differs. Local parameters (:mod:`pyro_distributed.local`) are
+left out: each worker holds its own rows of them.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from ..consensus import ABSENT, require_agreement
 from ..digest import digest
 from ..engines import Engine
 from ..local.registry import local_params
+from .module_buffers import named_buffers, trained_modules
 
 __all__ = ["Synchronised", "assert_in_sync"]
 
 
 class Synchronised(Protocol):
     """What :func:`assert_in_sync` reads of an optimizer: its engine, the
-    parameters it steps and their state, by names shared by every worker."""
+    parameters it steps, their state and the buffers of the modules it
+    trains, by names shared by every worker."""
 
     @property
     def engine(self) -> Engine: ...
@@ -36,12 +39,15 @@ class Synchronised(Protocol):
 
     def get_state(self) -> dict[str, Any]: ...
 
+    def checked_buffers(self) -> dict[str, Tensor]: ...
+
 
 def assert_in_sync(optim: Synchronised | None = None) -> None:
     """Raise on every worker if any parameter or optimizer state differs across workers.
 
-    :param optim: compare this optimizer's parameters and per-parameter state
-        (and use its engine); without it, the param store is compared.
+    :param optim: compare this optimizer's parameters, per-parameter state
+        and module buffers (and use its engine); without it, the param store
+        and the buffers of the modules holding its parameters are compared.
     :raises PyroDistributedError: naming the first differing entry and which
         workers hold which version.
 
@@ -65,6 +71,12 @@ def assert_in_sync(optim: Synchronised | None = None) -> None:
         for name, value in sorted(tensors.items())
         if name not in local
     ]
+    buffers = (
+        optim.checked_buffers()
+        if optim is not None
+        else dict(named_buffers(trained_modules(list(tensors.values()))))
+    )
+    entries += [(f"buffer {name!r}", digest(value)) for name, value in buffers.items()]
     if optim is not None:
         state = optim.get_state()
         entries += [

@@ -2,15 +2,11 @@
 
 It wraps the user's optimizer instead of rebuilding it: clipping, schedulers,
 per-parameter arguments and state all stay the wrapped optimizer's own code.
-A call reads as the sequence it runs, the same on every worker:
-
-1. split off local parameters, whose gradients never travel
-   (:mod:`pyro_distributed.local`);
-2. exchange the gradients of the rest (:class:`~pyro_distributed.exchange.sync.GradientSync`:
-   agree on the parameters, average them, overlapped with backward);
-3. prepare the local gradients; observe the gradient noise scale;
-4. let the wrapped optimizer step, so that clipping sees the averaged
-   gradient, and drop gradients borrowed from other workers.
+Everything around the gradient exchange is the shared step's
+(:class:`~pyro_distributed.optim.step.DataParallelStep`); this front end
+names the parameters by their param-store names and steps the wrapped
+optimizer (one multi-tensor optimizer where that is exact, and the rows of
+sparse local parameters), so that clipping sees the averaged gradient.
 
 With one worker it does none of it but the step, and costs nothing.
 """
@@ -27,21 +23,18 @@ from torch import Tensor
 
 from ..checks import check_bool
 from ..engines import Engine
-from ..exchange import Compression, GradientSync, Reduction, compressor
-from ..local.gradients import LocalGradients, split_local
-from .consistency import assert_in_sync
+from ..exchange import Compression
+from ..local.sparse import RowGradients
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
-from .noise_scale import NoiseScale, NoiseScaleEstimator
-from .options import BindsAtFirstStep, EngineBinding, bind_exchange, check_options
 from .schedulers import step_schedulers
-from .sparse_step import SparseStepper, nonfinite, scale_rows
-from .step_guards import refuse_nonfinite
+from .sparse_step import SparseStepper
+from .step import DataParallelStep, FrontEnd, StepOptions
 from .torch_optimizer import DistributedTorchOptimizer
 
 __all__ = ["DistributedOptimizer"]
 
 
-class DistributedOptimizer(BindsAtFirstStep, PyroOptim):
+class DistributedOptimizer(FrontEnd, PyroOptim):
     """Wrap a :class:`~pyro.optim.PyroOptim` for data-parallel SVI.
 
     Each worker runs the same model and guide on its own data; every call
@@ -55,7 +48,11 @@ class DistributedOptimizer(BindsAtFirstStep, PyroOptim):
         A ``torch.optim.Optimizer`` instead (Pyro's torch-native loop) gives a
         :class:`~pyro_distributed.optim.torch_optimizer.DistributedTorchOptimizer`,
         which is a torch optimizer itself and takes the same arguments but
-        ``multi_tensor``.
+        ``multi_tensor``. ``isinstance(that, DistributedOptimizer)`` holds (it
+        is registered as a virtual subclass: one constructor, one type to
+        test), but it is no ``PyroOptim``; test
+        ``isinstance(optim, pd.DistributedTorchOptimizer)`` to tell the two
+        front ends apart.
     :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"``, ``"mpi"``,
         ``"local"``, or a running :class:`~pyro_distributed.engines.Engine`.
         A name other than ``"local"`` is bound at the first step, not here,
@@ -167,32 +164,18 @@ class DistributedOptimizer(BindsAtFirstStep, PyroOptim):
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
-        check_options(bucket_cap_mb, nonfinite, check_every, overlap)
-        check_bool("multi_tensor", multi_tensor, optional=True)
-        reduction = Reduction(compression=compressor(compression))
-        self._configure(
-            pyro_optim,
-            engine,
-            bucket_cap_mb,
-            reduction,
-            nonfinite,
-            check_every,
-            overlap,
-            multi_tensor,
-            noise_scale,
+        options = StepOptions.of(
+            bucket_cap_mb, nonfinite, check_every, compression, overlap, noise_scale
         )
+        check_bool("multi_tensor", multi_tensor, optional=True)
+        self._configure(pyro_optim, engine, options, multi_tensor)
 
     def _configure(
         self,
         pyro_optim: PyroOptim,
         engine: str | Engine,
-        bucket_cap_mb: float,
-        reduction: Reduction,
-        nonfinite: Literal["skip", "raise"] = "skip",
-        check_every: int | None = None,
-        overlap: bool = True,
+        options: StepOptions,
         multi_tensor: bool | None = None,
-        noise_scale: bool | float = False,
     ) -> None:
         """Set up the wrapper; shared by every constructor of this family."""
         if not isinstance(pyro_optim, PyroOptim):
@@ -207,37 +190,15 @@ class DistributedOptimizer(BindsAtFirstStep, PyroOptim):
                 f"wrap the plain optimizer once"
             )
         self.wrapped = pyro_optim
-        self.nonfinite = nonfinite
-        self.check_every = check_every
         if multi_tensor:
             refusal = grouping_refusal(pyro_optim)
             if refusal is not None:
                 raise ValueError(f"multi_tensor=True is not available: {refusal}")
         grouped = multi_tensor or (multi_tensor is None and groups_exactly(pyro_optim))
         self._stepper = GroupedStepper(pyro_optim) if grouped else None
-        #: How many times the optimizer was called (saved in checkpoints).
-        self.num_steps = 0
-        self._bucket_cap_mb, self._reduction, self._overlap = bucket_cap_mb, reduction, overlap
-        NoiseScaleEstimator.smoothing_of(noise_scale)  # a wrong value fails here, not at step 1
-        self._noise_option = noise_scale
-        self._noise: NoiseScaleEstimator | None = None
-        self._sync: GradientSync | None = None
-        self._local: LocalGradients | None = None
         # Steps the rows of local_updates="sparse" parameters (optim.sparse_step).
         self._sparse = SparseStepper(pyro_optim)
-        self._binding = EngineBinding(engine)
-        if self._binding.bound:
-            self._bind()
-
-    def _bind(self) -> None:
-        self._noise, self._sync, self._local = bind_exchange(
-            self._binding.engine(),
-            self._noise_option,
-            self._bucket_cap_mb,
-            self._reduction,
-            self._overlap,
-            "param store",
-        )
+        self._step = DataParallelStep(engine, options, "param store")
 
     @property
     def grouped(self) -> bool:
@@ -258,56 +219,29 @@ class DistributedOptimizer(BindsAtFirstStep, PyroOptim):
         :param params: the unconstrained parameters to step, as SVI passes them
             (a set), or a list or ``dict.values()``.
         """
-        self.num_steps += 1
         # Parameters read under local_updates="sparse" leave here: they have
         # row gradients, not a .grad (pyro_distributed.local.sparse).
         params, sparse = self._sparse.take(params)
-        sync = self.sync
-        if sync is None:
-            self._step_wrapped(params, *args, **kwargs)
-            self._sparse.step(sparse)
+        step = self._step
+        if not step.start():
+            self._step_wrapped(params, sparse, args, kwargs)
             return
-        assert self._local is not None  # bound with the sync
-        replicated, local = split_local(_by_store_name(params))
-        local_finite = True
-        if local or sparse:
-            # Local gradients never travel: scaled and checked here, and the
-            # check rides with the exchange's header to every worker.
-            rows_finite = scale_rows(sparse, self.engine.world_size)
-            owned = {**local, **{rows.name: rows.tensor for rows in sparse}}
-            local_finite = self._local.prepare(owned, rows_finite)
-        exchanged = sync.exchange(replicated, _param_store, nonfinite_here=not local_finite)
-        finite = exchanged.finite
-        stepped = [*exchanged.tensors, *local.values()]
-        if finite:
-            if self._noise is not None and exchanged.tensors:  # before the wrapped optimizer clips
-                self._noise.observe(*sync.squared_norms())
-            self._step_wrapped(stepped, *args, **kwargs)
-            self._sparse.step(sparse)
-        else:
-            store = pyro.get_param_store()
-            named = [(store.param_name(p) or "?", p) for p in stepped]
-            refuse_nonfinite(named, self.num_steps, self.nonfinite, extra=nonfinite(sparse))
-        exchanged.release_borrowed()
-        if self.check_every and self.num_steps % self.check_every == 0:
-            assert_in_sync(self)
+        stepped = step.exchange(_by_store_name(params), _param_store, sparse)
+        step.finish(
+            stepped,
+            lambda tensors: self._step_wrapped(tensors, sparse, args, kwargs),
+            self,
+            lambda: _store_named(stepped.tensors),
+        )
 
-    def _step_wrapped(self, params: Iterable[Tensor], *args: Any, **kwargs: Any) -> None:
+    def _step_wrapped(
+        self, params: Iterable[Tensor], sparse: list[RowGradients], args: Any, kwargs: Any
+    ) -> None:
         if self._stepper is not None:
             self._stepper.step(params)
         else:
             self.wrapped(params, *args, **kwargs)  # type: ignore[arg-type]
-
-    def noise_scale(self, batch_size: int | None = None) -> NoiseScale:
-        """The gradient noise scale so far (needs ``noise_scale=True``); no communication.
-
-        ``batch_size`` (data points per worker per step) adds B_simple in data
-        points. ``print(optim.noise_scale(32))`` shows the figures and a reading.
-        """
-        self.engine  # noqa: B018 (binds the engine)
-        if self._noise is None:
-            raise ValueError("noise_scale() needs DistributedOptimizer(..., noise_scale=True)")
-        return self._noise.estimate(batch_size)
+        self._sparse.step(sparse)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Step the wrapped optimizer's learning-rate schedulers.
@@ -331,8 +265,7 @@ class DistributedOptimizer(BindsAtFirstStep, PyroOptim):
         """
         self.wrapped.optim_objs.clear()
         self.wrapped.grad_clip.clear()
-        if self._sync is not None:
-            self._sync.forget()
+        self._step.forget()
         if self._stepper is not None:
             self._stepper.forget()
         self._sparse.forget()
@@ -350,7 +283,15 @@ class DistributedOptimizer(BindsAtFirstStep, PyroOptim):
         self.wrapped.set_state(state_dict)
 
     def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.wrapped!r}, engine={self._binding.describe()})"
+        return f"DistributedOptimizer({self.wrapped!r}, engine={self._step.describe_engine()})"
+
+
+# DistributedOptimizer(torch_optimizer) returns a DistributedTorchOptimizer, so
+# isinstance(optim, DistributedOptimizer) holds for whatever that one
+# constructor returns. It is a virtual subclass, not a real one: it is a
+# torch.optim.Optimizer, not a PyroOptim, and inherits nothing from this
+# class; isinstance(optim, DistributedTorchOptimizer) tells the two apart.
+DistributedOptimizer.register(DistributedTorchOptimizer)
 
 
 def _by_store_name(params: Iterable[Tensor]) -> dict[str, Tensor]:
@@ -367,6 +308,11 @@ def _by_store_name(params: Iterable[Tensor]) -> dict[str, Tensor]:
             )
         named[name] = param
     return named
+
+
+def _store_named(params: Iterable[Tensor]) -> list[tuple[str, Tensor]]:
+    store = pyro.get_param_store()
+    return [(store.param_name(param) or "?", param) for param in params]
 
 
 def _param_store() -> dict[str, Tensor]:

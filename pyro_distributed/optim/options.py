@@ -3,13 +3,14 @@
 ``DistributedOptimizer`` over a Pyro optimizer and over a torch optimizer
 take the same keyword arguments with the same meaning; this module checks
 them and builds the :class:`~pyro_distributed.exchange.sync.GradientSync`
-they share, so that the two cannot drift apart.
+that their shared step (:mod:`.step`) owns, so that the two cannot drift
+apart.
 
 Binding: an optimizer is often built before the processes that will train it
 have met (scvi-tools builds its Pyro optimizer before Lightning creates the
 process group). So an optimizer does not choose its engine when it is built
-but at its first step (:class:`EngineBinding`; :class:`BindsAtFirstStep`
-gives both front ends the ``engine`` property that binds): by then the
+but at its first step (:class:`EngineBinding`, held by the shared step,
+which binds when a front end's ``engine`` is first read): by then the
 launcher's or the host framework's process group exists and
 ``engine="auto"`` adopts it. An
 optimizer already bound to one worker re-checks at every step that no larger
@@ -19,7 +20,6 @@ worker while others exist would train W independent replicas, silently.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from typing import Any
 
 from .. import runtime
@@ -27,10 +27,9 @@ from ..checks import check_bool, check_choice, check_int, check_number
 from ..engines import ENGINE_NAMES, Engine
 from ..errors import PyroDistributedError
 from ..exchange import GradientSync, Reduction
-from ..local.gradients import LocalGradients
 from .noise_scale import NoiseScaleEstimator
 
-__all__ = ["BindsAtFirstStep", "EngineBinding", "bind_exchange", "check_options", "make_sync"]
+__all__ = ["EngineBinding", "check_options", "make_sync"]
 
 
 def check_options(bucket_cap_mb: Any, nonfinite: Any, check_every: Any, overlap: Any) -> None:
@@ -97,45 +96,6 @@ class EngineBinding:
         return self._engine
 
 
-class BindsAtFirstStep(ABC):
-    """What both front ends share about binding: the :attr:`engine`, bound when first read.
-
-    A front end sets ``_binding`` (an :class:`EngineBinding`) and
-    ``_local = None`` in its constructor, and builds what depends on the
-    engine (its exchange, with :func:`bind_exchange`) in :meth:`_bind`, which
-    sets ``_local`` and ``_sync``. Reading :attr:`engine` or :attr:`sync`
-    (every step does) binds once and then only re-checks the binding. It
-    holds no state and defines no
-    ``__init__``, so a front end that is a ``torch.optim.Optimizer`` still
-    never runs ``Optimizer.__init__``.
-    """
-
-    _binding: EngineBinding
-    _local: LocalGradients | None
-    _sync: GradientSync | None
-
-    @property
-    def engine(self) -> Engine:
-        """The engine this optimizer averages on, chosen at its first step
-        (:class:`~pyro_distributed.optim.options.EngineBinding`)."""
-        engine = self._binding.engine()
-        if self._local is None:
-            self._bind()
-        return engine
-
-    @property
-    def sync(self) -> GradientSync | None:
-        """The gradient exchange; ``None`` with one worker, which has nothing to
-        exchange. Its read-only properties (``overlaps``, ``overlap_armed``,
-        ``bucket_count``) show how gradients travel."""
-        self.engine  # noqa: B018 (binds the engine)
-        return self._sync
-
-    @abstractmethod
-    def _bind(self) -> None:
-        """Build what depends on the bound engine, and set ``_local``."""
-
-
 def make_sync(
     engine: Engine,
     bucket_cap_mb: float,
@@ -156,19 +116,3 @@ def make_sync(
         measure_norms=noise is not None,
         catalog_name=catalog_name,
     )
-
-
-def bind_exchange(
-    engine: Engine,
-    noise_scale: bool | float,
-    bucket_cap_mb: float,
-    reduction: Reduction,
-    overlap: bool,
-    catalog_name: str,
-) -> tuple[NoiseScaleEstimator | None, GradientSync | None, LocalGradients]:
-    """What a front end builds once its engine is bound: the noise-scale
-    estimator, the gradient exchange (``None`` with one worker) and the
-    handling of local parameters' gradients."""
-    noise = NoiseScaleEstimator.create(noise_scale, engine.world_size)
-    sync = make_sync(engine, bucket_cap_mb, reduction, overlap, noise, catalog_name)
-    return noise, sync, LocalGradients(engine)

@@ -2,7 +2,8 @@
 
 :mod:`pyro_distributed.local.sparse` gives each sparse local parameter the
 distinct rows R selected since its last step and their summed gradient g
-(already scaled by 1/W, as ownership scales dense local gradients). The step
+(already scaled as the average scales it, as ownership scales dense local
+gradients). The step
 here changes those rows only, of the parameter and of its optimizer state,
 and leaves every other row bitwise as it was: the *lazy* semantics of
 ``torch.optim.SparseAdam`` and TensorFlow's LazyAdam, which is also what
@@ -96,7 +97,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -105,6 +106,7 @@ from pyro.optim.clipped_adam import ClippedAdam
 from torch import Tensor
 
 from ..local import sparse as sparse_local
+from ..local.gradients import Scale
 from ..local.sparse import RowGradients
 from ..pyro_internals import grad_clip_of, load_optimizer_state, pop_waiting_state, single_optimizer
 
@@ -154,16 +156,16 @@ def refusal(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | No
     return None
 
 
-def scale_rows(sparse: Sequence[RowGradients], world_size: int) -> bool:
-    """Scale the row gradients by 1/W; return whether all are finite (O(rows)).
+def scale_rows(sparse: Sequence[RowGradients], scale: Scale) -> bool:
+    """Scale the row gradients as an average; return whether all are finite (O(rows)).
 
-    1/W is what ownership multiplies a dense local gradient by (averaging
-    with W-1 zeros), and the same bits: a product by the same float.
+    ``scale`` is the one the step gives dense local gradients (what averaging
+    with W-1 zeros does, the exchange's own scaling), so the rows get the
+    same bits as a dense local gradient's.
     """
-    factor = 1.0 / world_size
     finite = True
     for gradients in sparse:
-        gradients.grad.mul_(factor)
+        scale(gradients.grad)
         finite = finite and bool(torch.isfinite(gradients.grad).all())
     return finite
 
@@ -324,10 +326,11 @@ class TorchSparseStepper:
     """Steps sparse local parameters on their selected rows, for one torch optimizer.
 
     The torch-native front end's optimizer holds every parameter, global and
-    local, in its param groups. One ``optimizer.step()`` steps them all: the
-    global ones on their averaged ``.grad``, the sparse ones (whose ``.grad``
-    is ``None``) as their selected rows, in place (:func:`rows_in_place`),
-    so that per-step group updates (ClippedAdam's ``lr *= lrd``) happen once.
+    local, in its param groups. The front end's one ``optimizer.step()``
+    steps them all, inside :meth:`swapped_in`: the global ones on their
+    averaged ``.grad``, the sparse ones (whose ``.grad`` is ``None``) as
+    their selected rows, in place (:func:`rows_in_place`), so that per-step
+    group updates (ClippedAdam's ``lr *= lrd``) happen once.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -350,13 +353,10 @@ class TorchSparseStepper:
                     raise ValueError(f"local parameter {gradients.name!r}: {reason}")
         return sparse
 
-    def step(self, sparse: list[RowGradients]) -> None:
-        """One step of the optimizer: its dense parameters, and the sparse rows."""
-        if not sparse:
-            self._optimizer.step()
-            return
-        with rows_in_place(self._optimizer, sparse):
-            self._optimizer.step()
+    def swapped_in(self, sparse: list[RowGradients]) -> AbstractContextManager[None]:
+        """Within it, the optimizer holds the sparse rows in their parameters'
+        places, so that its ``step()`` steps its dense parameters and the rows."""
+        return rows_in_place(self._optimizer, sparse) if sparse else nullcontext()
 
     def zero_grad(self) -> None:
         """Drop the gradients recorded for the sparse rows, as ``zero_grad`` drops ``.grad``."""

@@ -42,22 +42,20 @@ import torch
 from torch import Tensor
 
 from ..engines import Engine
-from ..exchange import Compression, Exchanged, GradientSync, Reduction, compressor
-from ..local.gradients import LocalGradients, split_local
+from ..exchange import Compression
+from ..local.gradients import split_local
 from ..local.sparse import RowGradients
 from ..torch_internals import init_optimizer_hooks
-from .consistency import assert_in_sync
-from .noise_scale import NoiseScale, NoiseScaleEstimator
-from .options import BindsAtFirstStep, EngineBinding, bind_exchange, check_options
-from .sparse_step import TorchSparseStepper, nonfinite, scale_rows
-from .step_guards import GradStamps, check_state_fits, refuse_nonfinite
+from .sparse_step import TorchSparseStepper
+from .step import DataParallelStep, FrontEnd, StepOptions, Stepped
+from .step_guards import GradStamps, check_state_fits
 
 __all__ = ["DistributedTorchOptimizer"]
 
 Closure = Callable[[], Any]
 
 
-class DistributedTorchOptimizer(BindsAtFirstStep, torch.optim.Optimizer):
+class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose ``step()`` averages gradients across workers.
 
     Made by :class:`~pyro_distributed.DistributedOptimizer` when it is given a
@@ -137,48 +135,25 @@ class DistributedTorchOptimizer(BindsAtFirstStep, torch.optim.Optimizer):
             raise TypeError(
                 "optimizer is already a DistributedTorchOptimizer; wrap the plain optimizer once"
             )
-        check_options(bucket_cap_mb, nonfinite, check_every, overlap)
-        reduction = Reduction(compression=compressor(compression))
+        options = StepOptions.of(
+            bucket_cap_mb, nonfinite, check_every, compression, overlap, noise_scale
+        )
         self.wrapped = optimizer
-        self.nonfinite = nonfinite
-        self.check_every = check_every
-        #: How many times ``step()`` was called (saved in checkpoints).
-        self.num_steps = 0
-        self._bucket_cap_mb, self._reduction, self._overlap = bucket_cap_mb, reduction, overlap
-        NoiseScaleEstimator.smoothing_of(noise_scale)  # a wrong value fails here, not at step 1
-        self._noise_option = noise_scale
-        self._noise: NoiseScaleEstimator | None = None
-        self._sync: GradientSync | None = None
-        self._local: LocalGradients | None = None
-        self._synchronized: _Synchronized | None = None
+        self._synchronized: Stepped | None = None
         self._stamps = GradStamps()
         self._warned_changed = False
-        # Steps the rows of local_updates="sparse" parameters (optim.sparse_step).
+        # Swaps the rows of local_updates="sparse" parameters in (optim.sparse_step).
         self._sparse = TorchSparseStepper(optimizer)
-        self._binding = EngineBinding(engine)
-        if self._binding.bound:
-            self._bind()
-        else:  # watch from the start, as a run of several workers will (see _bind)
-            self._stamps.watch([param for _, param in self.named_parameters()])
+        # Watch from the start, as a run of several workers will (see _bound).
+        self._stamps.watch([param for _, param in self.named_parameters()])
+        self._step = DataParallelStep(engine, options, "optimizer", self._bound)
         init_optimizer_hooks(self)
 
-    # -- the engine, chosen at the first step
-
-    def _bind(self) -> None:
-        self._noise, self._sync, self._local = bind_exchange(
-            self._binding.engine(),
-            self._noise_option,
-            self._bucket_cap_mb,
-            self._reduction,
-            self._overlap,
-            "optimizer",
-        )
+    def _bound(self, exchanges: bool) -> None:
         # One worker has no average to clip. The hooks go on before local
         # rows are cut (construction, not the first step): a hook added to a
         # parameter after its rows were cut in place breaks its next backward.
-        if self._sync is not None:
-            self._stamps.watch([param for _, param in self.named_parameters()])
-        else:
+        if not exchanges:
             self._stamps.unwatch()
 
     # -- what torch.optim.Optimizer users read and write, shared with the wrapped one
@@ -207,13 +182,13 @@ class DistributedTorchOptimizer(BindsAtFirstStep, torch.optim.Optimizer):
     def defaults(self, defaults: dict[str, Any]) -> None:
         self.wrapped.defaults = defaults
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.wrapped.state_dict()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wrapped.zero_grad(set_to_none)
         # The gradients of rows handed out under local_updates="sparse" too.
         self._sparse.zero_grad()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.wrapped.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wrapped.load_state_dict(state_dict)
@@ -225,7 +200,8 @@ class DistributedTorchOptimizer(BindsAtFirstStep, torch.optim.Optimizer):
         raise TypeError("a DistributedTorchOptimizer is not picklable; save its state_dict()")
 
     def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.wrapped!r}, engine={self._binding.describe()})"
+        engine = self._step.describe_engine()
+        return f"DistributedTorchOptimizer({self.wrapped!r}, engine={engine})"
 
     # -- the step
 
@@ -263,50 +239,40 @@ class DistributedTorchOptimizer(BindsAtFirstStep, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.num_steps += 1
-        sync = self.sync
-        if sync is None:
-            # Sparse local rows (local_updates="sparse") step with the rest.
-            self._sparse.step(self._sparse.take())
+        if not self._step.start():
+            self._step_wrapped(self._sparse.take())
             return loss
-        synchronized = self._synchronized
-        if synchronized is None:
+        stepped = self._synchronized
+        if stepped is None:
             self._warn_if_changed_since_backward()
-            synchronized = self._exchange()
+            stepped = self._exchange()
         self._synchronized = None
-        exchanged, finite, sparse = synchronized
-        if finite:
-            if self._noise is not None and exchanged.tensors:
-                self._noise.observe(*sync.squared_norms())
-            self._sparse.step(sparse)
-        else:
-            refuse_nonfinite(
-                self.named_parameters(), self.num_steps, self.nonfinite, extra=nonfinite(sparse)
-            )
-        exchanged.release_borrowed()
-        self._stamps.watch(exchanged.tensors)
-        if self.check_every and self.num_steps % self.check_every == 0:
-            assert_in_sync(self)
+        self._step.finish(
+            stepped, lambda _: self._step_wrapped(stepped.sparse), self, self.named_parameters
+        )
+        self._stamps.watch(stepped.exchanged.tensors)
         return loss
 
-    def _exchange(self) -> _Synchronized:
-        """Average the replicated gradients; scale the local ones (which never
-        travel) and the sparse local rows; return the exchange, whether every
-        gradient is finite, and the sparse rows' gradients."""
-        sync, local_gradients = self._sync, self._local
-        assert sync is not None and local_gradients is not None  # bound by the caller
+    def _step_wrapped(self, sparse: list[RowGradients]) -> None:
+        """The wrapped optimizer's own step: every dense parameter on its
+        (averaged) ``.grad`` and, swapped in for their parameters, the rows of
+        sparse local ones (local_updates="sparse")."""
+        with self._sparse.swapped_in(sparse):
+            self.wrapped.step()
+
+    def _exchange(self) -> Stepped:
         # First: an optimizer without a lazy rule is refused before anything travels.
         sparse = self._sparse.take()
-        replicated, local = split_local(dict(self.named_parameters()))
-        local_finite = True
-        if local or sparse:
-            check_state_fits(self.wrapped, local)
-            # Local gradients never travel: scaled and checked here, and the
-            # check rides with the exchange's header to every worker.
-            rows_finite = scale_rows(sparse, self.engine.world_size)
-            local_finite = local_gradients.prepare(local, rows_finite)
-        exchanged = sync.exchange(replicated, lambda: replicated, nonfinite_here=not local_finite)
-        return exchanged, exchanged.finite, sparse
+        return self._step.exchange(
+            dict(self.named_parameters()),
+            self._catalog,
+            sparse,
+            check_local=lambda local: check_state_fits(self.wrapped, local),
+        )
+
+    def _catalog(self) -> dict[str, Tensor]:
+        replicated, _ = split_local(dict(self.named_parameters()))
+        return replicated
 
     def _warn_if_changed_since_backward(self) -> None:
         if self._warned_changed:
@@ -323,13 +289,6 @@ class DistributedTorchOptimizer(BindsAtFirstStep, torch.optim.Optimizer):
                 stacklevel=3,
             )
 
-    def noise_scale(self, batch_size: int | None = None) -> NoiseScale:
-        """The gradient noise scale so far (needs ``noise_scale=True``); no communication."""
-        self.engine  # noqa: B018 (binds the engine)
-        if self._noise is None:
-            raise ValueError("noise_scale() needs DistributedOptimizer(..., noise_scale=True)")
-        return self._noise.estimate(batch_size)
-
     def get_state(self) -> dict[str, Any]:
         """Per-parameter optimizer state of the replicated parameters, by exchange
         name (for drift checks)."""
@@ -339,8 +298,4 @@ class DistributedTorchOptimizer(BindsAtFirstStep, torch.optim.Optimizer):
     def checked_tensors(self) -> dict[str, Tensor]:
         """The parameters that must be identical on every worker (local ones are
         each worker's own), by exchange name."""
-        replicated, _ = split_local(dict(self.named_parameters()))
-        return replicated
-
-
-_Synchronized = tuple[Exchanged, bool, list[RowGradients]]
+        return self._catalog()

@@ -13,6 +13,7 @@ import torch
 
 import pyro_distributed as pd
 from pyro_distributed.exchange.averager import GradientAverager, Reduction
+from pyro_distributed.exchange.compression import compressor
 
 from ..harness import CountingEngine, run_workers
 from ..optim.test_noise_scale import exact_norms
@@ -143,3 +144,31 @@ def compressed_large_values() -> list[float]:
 def test_a_narrowing_compressor_divides_before_the_sum() -> None:
     for grads in run_workers(compressed_large_values):
         assert grads == pytest.approx([40000.5] * 2, abs=16.0)
+
+
+def _alone_and_averaged() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per reduction: worker 0's gradient averaged with zeros from the others,
+    and the same gradient through ``average_alone_``, which sends nothing."""
+    reductions = [
+        Reduction(),
+        Reduction(op="sum"),
+        Reduction(predivide=1.5),
+        Reduction(compression=compressor("fp16")),
+        Reduction(compression=compressor("bf16")),
+    ]
+    own = torch.randn(257, generator=torch.Generator().manual_seed(7)) / 3.0
+    found = []
+    for number, reduction in enumerate(reductions):
+        param = pyro.param(f"alone{number}", torch.zeros(257)).unconstrained()
+        param.grad = own.clone() if pd.rank() == 0 else torch.zeros(257)
+        averager = GradientAverager(pd.current_engine(), 2**20, reduction)
+        averager.average_([f"alone{number}"], [param])
+        found.append((param.grad.clone(), averager.average_alone_(own.clone())))
+    return found
+
+
+def test_a_gradient_alone_is_scaled_bitwise_as_its_average_with_zeros() -> None:
+    # At W=3 1/W is inexact: the scaling must be the averager's own operations.
+    for results in run_workers(_alone_and_averaged, world_size=3):
+        for averaged, alone in results:
+            assert torch.equal(averaged, alone)

@@ -27,7 +27,7 @@ from .test_noise_scale import BATCH, N, dataset, model, normal_guide
 def test_the_fit_recovers_the_line_it_is_given() -> None:
     latency, bandwidth = 2e-4, 3e9
     timings = [(size, latency + size / bandwidth) for size in (1e3, 1e5, 1e6, 8e6)]
-    cost = pd.CollectiveCost.fit(timings, world_size=2)  # type: ignore[arg-type]
+    cost = pd.scaling.CollectiveCost.fit(timings, world_size=2)  # type: ignore[arg-type]
     assert cost.latency_s == pytest.approx(latency, rel=1e-9)
     assert cost.bandwidth == pytest.approx(bandwidth, rel=1e-9)
     assert cost.seconds(4e6) == pytest.approx(latency + 4e6 / bandwidth)
@@ -39,11 +39,11 @@ def test_the_fit_recovers_the_line_it_is_given() -> None:
 
 def test_the_fit_needs_two_sizes() -> None:
     with pytest.raises(ValueError, match="two or more sizes"):
-        pd.CollectiveCost.fit([(100, 1e-4), (100, 2e-4)], world_size=2)
+        pd.scaling.CollectiveCost.fit([(100, 1e-4), (100, 2e-4)], world_size=2)
 
 
 def test_in_step_puts_what_the_step_costs_beyond_compute_into_the_latency() -> None:
-    cost = pd.CollectiveCost(1e-4, 1e9, world_size=2).in_step(
+    cost = pd.scaling.CollectiveCost(1e-4, 1e9, world_size=2).in_step(
         step_s=0.012, compute_s=0.010, gradient_bytes=1e6
     )
     assert cost.latency_s == pytest.approx(0.002 - 1e-3)
@@ -51,7 +51,7 @@ def test_in_step_puts_what_the_step_costs_beyond_compute_into_the_latency() -> N
 
 
 def timings_on_workers() -> list[tuple[int, float]]:
-    return pd.measure_collective(sizes=[4096, 2**20], repeats=3)
+    return pd.scaling.measure_collective(sizes=[4096, 2**20], repeats=3)
 
 
 def test_every_worker_gets_the_same_timings_of_real_all_reduces() -> None:
@@ -59,14 +59,14 @@ def test_every_worker_gets_the_same_timings_of_real_all_reduces() -> None:
     assert results[0] == results[1]
     assert [size for size, _ in results[0]] == [4096, 2**20]
     assert all(seconds > 0 for _, seconds in results[0])
-    cost = pd.CollectiveCost.fit(results[0], world_size=2)
+    cost = pd.scaling.CollectiveCost.fit(results[0], world_size=2)
     assert cost.latency_s >= 0 and 0 < cost.bandwidth < math.inf
 
 
 def test_the_projection_follows_steps_times_step_time() -> None:
     noise = pd.NoiseScale(1.0, 4.0, 4.0, world_size=2, steps=50)
-    cost = pd.CollectiveCost(1e-3, 1e9, world_size=2)
-    projection = pd.project_scaling(
+    cost = pd.scaling.CollectiveCost(1e-3, 1e9, world_size=2)
+    projection = pd.scaling.project_scaling(
         noise, 0.010, 1e6, cost, steps_to_target=3000, network_latency_s=1e-4
     )
     rows = {row.workers: row for row in projection.rows}
@@ -93,7 +93,7 @@ def test_the_projection_follows_steps_times_step_time() -> None:
 def test_a_projection_without_a_usable_noise_scale_is_refused() -> None:
     buried = pd.NoiseScale(-1.0, 4.0, math.inf, world_size=2, steps=5)
     with pytest.raises(ValueError, match="not usable yet"):
-        pd.project_scaling(buried, 0.01, 1e6, pd.CollectiveCost(1e-3, 1e9, 2))
+        pd.scaling.project_scaling(buried, 0.01, 1e6, pd.scaling.CollectiveCost(1e-3, 1e9, 2))
 
 
 def advise() -> dict[str, Any]:
@@ -110,7 +110,7 @@ def advise() -> dict[str, Any]:
     for _ in range(30):
         step()
     out = io.StringIO()
-    projection = pd.scaling_advice(optim, step, measure_steps=5, file=out)
+    projection = pd.scaling.scaling_advice(optim, step, measure_steps=5, file=out)
     return {"printed": out.getvalue(), "projection": projection}
 
 

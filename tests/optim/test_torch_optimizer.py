@@ -522,3 +522,16 @@ def test_backpropagating_the_call_that_cut_the_rows_is_refused_with_the_remedy()
         message = result["error"]
         assert "cut local parameter 'AutoNormal.scales.z' to this worker's block" in message
         assert "make one warm-up call" in message
+
+
+def test_the_torch_front_end_is_a_public_type_that_names_itself() -> None:
+    plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    wrapped = pd.DistributedOptimizer(plain, engine="local")
+    assert type(wrapped) is pd.DistributedTorchOptimizer
+    # One constructor, one type to test; still a torch optimizer, not a PyroOptim.
+    assert isinstance(wrapped, pd.DistributedOptimizer)
+    assert isinstance(wrapped, torch.optim.Optimizer)
+    assert not isinstance(wrapped, pyro.optim.PyroOptim)
+    assert repr(wrapped).startswith("DistributedTorchOptimizer(SGD (")
+    assert isinstance(wrapped.engine, pd.Engine)
+    assert {"DistributedTorchOptimizer", "Engine", "scaling"} <= set(pd.__all__)

@@ -1,0 +1,314 @@
+"""DataParallelStep: what one optimizer step does around the gradient exchange.
+
+Every front end (a Pyro optimizer for SVI, a torch optimizer for the
+torch-native loop, the next one) names its parameters and steps its wrapped
+optimizer; everything between is here, once, in the same order on every
+worker:
+
+1. bind the engine, at the first step (:class:`~.options.EngineBinding`);
+2. split off local parameters, whose gradients never travel, and scale
+   them, and the rows of sparse local parameters, as the exchange scales an
+   average (``GradientSync.average_alone_``: the same operations, so a
+   local row is bitwise what the replicated run would hold, at any W);
+3. exchange the rest (:class:`~pyro_distributed.exchange.sync.GradientSync`),
+   with the flag "some local gradient is not finite" in its header;
+4. observe the gradient noise scale; let the front end step its optimizer,
+   or skip (or refuse) the step on every worker if a gradient is not finite;
+5. drop gradients borrowed from other workers; average the modules'
+   buffers (:mod:`.module_buffers`); run the drift check every
+   ``check_every`` steps.
+
+Steps 2-3 (:meth:`DataParallelStep.exchange`) and 4-5
+(:meth:`DataParallelStep.finish`) are two calls, because the torch front
+end's ``synchronize()`` exchanges before the user clips. :class:`FrontEnd`
+gives a front end what it reads from its step: ``engine``, ``sync``,
+``num_steps``, ``noise_scale()``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torch import Tensor
+
+from ..engines import Engine
+from ..exchange import Compression, Exchanged, GradientSync, Reduction, compressor
+from ..local.gradients import LocalGradients, split_local
+from ..local.sparse import RowGradients
+from .consistency import assert_in_sync
+from .module_buffers import ModuleBuffers, named_buffers
+from .noise_scale import NoiseScale, NoiseScaleEstimator
+from .options import EngineBinding, check_options, make_sync
+from .sparse_step import nonfinite, scale_rows
+from .step_guards import refuse_nonfinite
+
+__all__ = ["DataParallelStep", "FrontEnd", "StepOptions", "Stepped"]
+
+Catalog = Callable[[], Mapping[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The options every front end takes, with the meaning
+    :class:`~pyro_distributed.DistributedOptimizer` documents."""
+
+    bucket_cap_mb: float = 25.0
+    reduction: Reduction = field(default_factory=Reduction)
+    nonfinite: Literal["skip", "raise"] = "skip"
+    check_every: int | None = None
+    overlap: bool = True
+    noise_scale: bool | float = False
+
+    @classmethod
+    def of(
+        cls,
+        bucket_cap_mb: float,
+        nonfinite: Literal["skip", "raise"],
+        check_every: int | None,
+        compression: Compression,
+        overlap: bool,
+        noise_scale: bool | float,
+    ) -> StepOptions:
+        """The options, or ``TypeError``/``ValueError`` naming a wrong one."""
+        check_options(bucket_cap_mb, nonfinite, check_every, overlap)
+        NoiseScaleEstimator.smoothing_of(noise_scale)  # a wrong value fails here, not at step 1
+        reduction = Reduction(compression=compressor(compression))
+        return cls(bucket_cap_mb, reduction, nonfinite, check_every, overlap, noise_scale)
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """One step's exchange: what the front end's optimizer steps, and whether it may."""
+
+    exchanged: Exchanged
+    #: Local parameters (their gradients scaled, never sent), by their own names.
+    local: dict[str, Tensor]
+    #: The row gradients of sparse local parameters (``local_updates="sparse"``).
+    sparse: list[RowGradients]
+
+    @property
+    def tensors(self) -> list[Tensor]:
+        """The dense tensors to step: the exchanged ones, then the local ones."""
+        return [*self.exchanged.tensors, *self.local.values()]
+
+    @property
+    def finite(self) -> bool:
+        """Whether every gradient, on every worker, is finite (the same everywhere)."""
+        return self.exchanged.finite
+
+
+class DataParallelStep:
+    """The step around the exchange, shared by every front end (module docstring).
+
+    :param engine: an engine or its name, bound at the first step.
+    :param options: the front end's checked options.
+    :param catalog_name: what the exchange calls a worker's parameters in errors.
+    :param on_bind: called with whether there is an exchange, once bound.
+    """
+
+    def __init__(
+        self,
+        engine: str | Engine,
+        options: StepOptions,
+        catalog_name: str,
+        on_bind: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.options = options
+        #: How many steps were taken (saved in checkpoints).
+        self.num_steps = 0
+        self._catalog_name = catalog_name
+        self._on_bind = on_bind
+        self._noise: NoiseScaleEstimator | None = None
+        self._sync: GradientSync | None = None
+        self._local: LocalGradients | None = None
+        self._buffers: ModuleBuffers | None = None
+        self._binding = EngineBinding(engine)
+        if self._binding.bound:
+            self._bind()
+
+    def describe_engine(self) -> str:
+        """The engine for a ``repr``, without binding one."""
+        return self._binding.describe()
+
+    @property
+    def engine(self) -> Engine:
+        """The engine, bound now if it was not yet (then only re-checked)."""
+        engine = self._binding.engine()
+        if self._local is None:
+            self._bind()
+        return engine
+
+    @property
+    def sync(self) -> GradientSync | None:
+        """The gradient exchange; ``None`` with one worker."""
+        self.engine  # noqa: B018 (binds the engine)
+        return self._sync
+
+    def _bind(self) -> None:
+        engine, options = self._binding.engine(), self.options
+        self._noise = NoiseScaleEstimator.create(options.noise_scale, engine.world_size)
+        self._sync = make_sync(
+            engine,
+            options.bucket_cap_mb,
+            options.reduction,
+            options.overlap,
+            self._noise,
+            self._catalog_name,
+        )
+        self._local = LocalGradients(engine)
+        self._buffers = ModuleBuffers(engine) if self._sync is not None else None
+        if self._on_bind is not None:
+            self._on_bind(self._sync is not None)
+
+    def start(self) -> bool:
+        """Count a step; return whether it exchanges (more than one worker)."""
+        self.num_steps += 1
+        return self.sync is not None
+
+    def exchange(
+        self,
+        named: Mapping[str, Tensor],
+        catalog: Catalog,
+        sparse: list[RowGradients],
+        check_local: Callable[[dict[str, Tensor]], None] | None = None,
+    ) -> Stepped:
+        """Scale the local gradients and rows, exchange the rest (a collective).
+
+        :param named: the tensors to step, by names every worker shares.
+        :param catalog: every tensor this worker could step, by name.
+        :param sparse: the sparse local rows taken for this step.
+        :param check_local: called with the local parameters before anything moves.
+        """
+        sync, local_gradients = self._sync, self._local
+        assert sync is not None and local_gradients is not None  # start() said so
+        replicated, local = split_local(named)
+        local_finite = True
+        if local or sparse:
+            if check_local is not None:
+                check_local(local)
+            # Local gradients never travel: scaled as the exchange scales an
+            # average, and checked here; the check rides in the exchange's header.
+            scale = sync.average_alone_
+            local_finite = local_gradients.prepare(local, scale, scale_rows(sparse, scale))
+        exchanged = sync.exchange(replicated, catalog, nonfinite_here=not local_finite)
+        return Stepped(exchanged, local, sparse)
+
+    def finish(
+        self,
+        stepped: Stepped,
+        step_optimizer: Callable[[list[Tensor]], None],
+        front_end: FrontEnd,
+        named: Callable[[], Iterable[tuple[str, Tensor]]],
+    ) -> None:
+        """Step (``step_optimizer(tensors)``) or skip; then release, buffers, drift check.
+
+        :param named: the stepped parameters by name, for the error or warning
+            of a non-finite step.
+        """
+        sync, options, buffers = self._sync, self.options, self._buffers
+        assert sync is not None and buffers is not None  # start() said so
+        if stepped.finite and self._noise is not None and stepped.exchanged.tensors:
+            self._noise.observe(*sync.squared_norms())  # before the optimizer clips
+        exchanged = stepped.exchanged
+        named_now = {
+            **dict(zip(exchanged.names, exchanged.tensors, strict=True)),
+            **stepped.local,
+            **{rows.name: rows.tensor for rows in stepped.sparse},
+        }
+        finish_buffers = buffers.start(named_now)  # travels while the optimizer steps
+        try:
+            if stepped.finite:
+                step_optimizer(stepped.tensors)
+            else:
+                extra = nonfinite(stepped.sparse)
+                refuse_nonfinite(named(), self.num_steps, options.nonfinite, 5, extra)
+        finally:
+            finish_buffers()
+        exchanged.release_borrowed()
+        if options.check_every and self.num_steps % options.check_every == 0:
+            assert_in_sync(front_end)
+
+    def noise_scale(self, batch_size: int | None) -> NoiseScale:
+        """The gradient noise scale so far; ``ValueError`` without ``noise_scale=True``."""
+        self.engine  # noqa: B018 (binds the engine)
+        if self._noise is None:
+            raise ValueError("noise_scale() needs DistributedOptimizer(..., noise_scale=True)")
+        return self._noise.estimate(batch_size)
+
+    def buffers(self) -> dict[str, Tensor]:
+        """The buffers of the modules trained so far, all dtypes (none before the first step)."""
+        roots = self._buffers.roots if self._buffers is not None else []
+        return dict(named_buffers(roots))
+
+    def forget(self) -> None:
+        """Treat every tensor as new (after a checkpoint replaced them)."""
+        if self._sync is not None:
+            self._sync.forget()
+        if self._buffers is not None:
+            self._buffers.forget()
+
+
+class FrontEnd(ABC):
+    """What a front end reads from its :class:`DataParallelStep` (``_step``).
+
+    It holds no state and defines no ``__init__``, so a front end that is a
+    ``torch.optim.Optimizer`` still never runs ``Optimizer.__init__``.
+    """
+
+    _step: DataParallelStep
+
+    @property
+    def engine(self) -> Engine:
+        """The engine this optimizer averages on, chosen at its first step
+        (:class:`~pyro_distributed.optim.options.EngineBinding`)."""
+        return self._step.engine
+
+    @property
+    def sync(self) -> GradientSync | None:
+        """The gradient exchange; ``None`` with one worker, which has nothing to
+        exchange. Its read-only properties (``overlaps``, ``overlap_armed``,
+        ``bucket_count``) show how gradients travel."""
+        return self._step.sync
+
+    @property
+    def num_steps(self) -> int:
+        """How many times the optimizer stepped (saved in checkpoints)."""
+        return self._step.num_steps
+
+    @num_steps.setter
+    def num_steps(self, count: int) -> None:
+        self._step.num_steps = count
+
+    @property
+    def nonfinite(self) -> str:
+        """What every worker does when a gradient is not finite: ``"skip"`` or ``"raise"``."""
+        return self._step.options.nonfinite
+
+    @property
+    def check_every(self) -> int | None:
+        """Run :func:`~pyro_distributed.assert_in_sync` after every ``check_every``-th step."""
+        return self._step.options.check_every
+
+    def noise_scale(self, batch_size: int | None = None) -> NoiseScale:
+        """The gradient noise scale so far (needs ``noise_scale=True``); no communication.
+
+        ``batch_size`` (data points per worker per step) adds B_simple in data
+        points. ``print(optim.noise_scale(32))`` shows the figures and a reading.
+        """
+        return self._step.noise_scale(batch_size)
+
+    def checked_buffers(self) -> dict[str, Tensor]:
+        """The buffers of the modules this optimizer trains, by names shared by
+        every worker (:mod:`.module_buffers`), all dtypes."""
+        return self._step.buffers()
+
+    @abstractmethod
+    def checked_tensors(self) -> dict[str, Tensor]:
+        """The parameters that must be identical on every worker, by shared name."""
+
+    @abstractmethod
+    def get_state(self) -> dict[str, Any]:
+        """Per-parameter optimizer state, by the names of :meth:`checked_tensors`."""
