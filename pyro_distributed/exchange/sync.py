@@ -37,7 +37,6 @@ from .agreement import (
     ParameterAgreement,
     Proposal,
     StepParams,
-    digest_floats,
     digests_equal,
 )
 from .averager import GradientAverager, Reduction
@@ -63,6 +62,8 @@ class Exchanged:
         """Drop the gradients of borrowed tensors, after the step: this worker's
         own loop will not zero them, and a stale average must not count as
         this worker's gradient next step."""
+        if not self.borrowed:
+            return
         for name, tensor in zip(self.names, self.tensors, strict=True):
             if name in self.borrowed:
                 tensor.grad = None
@@ -89,7 +90,7 @@ class GradientSync:
         measure_norms: bool = False,
         catalog_name: str = "param store",
     ) -> None:
-        self._engine = engine
+        self._world_size = engine.world_size
         self._agreement = ParameterAgreement(engine, cap_bytes, catalog_name)
         self._averager = GradientAverager(engine, cap_bytes, reduction, measure_norms)
         self._overlap = BackwardOverlap(engine, self._averager) if overlap else None
@@ -151,18 +152,18 @@ class GradientSync:
         overlap.send_remaining()
         stale = overlap.stale_flags()
         if overlap.carrier is not None:
-            summed = overlap.send_carrier([*digest_floats(proposal.digest), *stale, flag])
-            unanimous = digests_equal(summed[:DIGEST_FLOATS], self._engine.world_size)
+            summed = overlap.send_carrier([*proposal.floats, *stale, flag])
+            unanimous = digests_equal(summed[:DIGEST_FLOATS], self._world_size)
             resend = [int(value > 0) for value in summed[DIGEST_FLOATS:-1]]
             raised = summed[-1] > 0
-            if unanimous and not proposal.new and proposal.names == overlap.names:
+            if unanimous and not proposal.new and _same(proposal.names, overlap.names):
                 return self._agreement.accept(proposal), overlap.finish(resend), raised
             overlap.discard()
             step = self._agreement.settle(proposal, catalog).step
         else:
             settlement = self._agreement.settle(proposal, catalog, [*stale, flag])
             step, raised = settlement.step, settlement.riders[-1] > 0
-            if settlement.unchanged and step.names == overlap.names:
+            if settlement.unchanged and _same(step.names, overlap.names):
                 return step, overlap.finish(resend=settlement.riders[:-1]), raised
             overlap.discard()
         return step, self._averager.average_(step.names, step.tensors), raised
@@ -178,3 +179,9 @@ class GradientSync:
         self._agreement.forget()
         if self._overlap is not None:
             self._overlap.reset()
+
+
+def _same(names: tuple[str, ...], planned: tuple[str, ...]) -> bool:
+    """Whether two lists of names are equal; at once when they are the same tuple,
+    as they are in the steady state."""
+    return names is planned or names == planned

@@ -1,0 +1,215 @@
+"""The library's own CPU time per step, the collectives and the wrapped optimizer excluded.
+
+    python benchmarks/library_cpu.py --workload tiny --optim ours
+    torchrun --nproc-per-node 2 benchmarks/library_cpu.py --workload tiny --optim ours
+
+A step's time is Pyro's (the model, the guide, backward), the wrapped
+optimizer's (Adam), the collectives' (the transfer and the wait for the
+peer), and this library's own Python: naming, agreeing, packing, the hooks.
+Only the last is ours to cut, and on a shared machine it is lost in the noise
+of the others. So this measures it directly: every entry point of the
+library (the front ends' step, the backward hooks) runs under a meter that
+reads the calling thread's CPU clock on entry and exit, and every call into
+the engine's collectives or the wrapped optimizer made from inside is
+metered the same way and subtracted. What remains is CPU time spent in
+pyro_distributed's code and the torch operations it issues (packing,
+copying, checking), per step. The meter's own cost (two clock reads per
+metered call) is measured in the same process and subtracted as well.
+
+Worker 0 prints one JSON line: ``library_us_per_step``, ``metered_calls``
+per step, ``process_cpu_ms_per_step`` (every thread of the process, the
+collective's included) and ``wall_ms_per_step``. With ``--profile N`` it then
+profiles N more steps with cProfile and prints the functions of
+pyro_distributed with the most own time (cProfile's overhead inflates them;
+read their order, not their size).
+
+The patches are applied by name, to whichever of the entry points exist, so
+the same script measures an older tree: put it first on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import importlib
+import json
+import pstats
+import resource
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from svi_worker import OPTIMS, prepare, workload_name
+
+import pyro_distributed
+from pyro_distributed.engines import Engine, Pending
+
+# The library's entry points: where a step enters pyro_distributed's code.
+OURS = (
+    ("pyro_distributed.optim.distributed", "DistributedOptimizer", "__call__"),
+    ("pyro_distributed.optim.torch_optimizer", "DistributedTorchOptimizer", "step"),
+    ("pyro_distributed.optim.torch_optimizer", "DistributedTorchOptimizer", "zero_grad"),
+    ("pyro_distributed.exchange.overlap", "BackwardOverlap", "accumulated"),
+    ("pyro_distributed.optim.step_guards", "GradStamps", "_stamp"),
+)
+# Not ours, though called from inside: the wrapped optimizer's work.
+WRAPPED = (
+    ("pyro.optim.optim", "PyroOptim", "__call__"),
+    ("torch.optim.adam", "Adam", "step"),
+    ("torch.optim.optimizer", "Optimizer", "zero_grad"),
+)
+# The engine's collectives, on every engine class (found at run time).
+COLLECTIVES = ("allreduce_", "allreduce_async_", "broadcast_", "allgather_object", "barrier")
+
+
+class Meter:
+    """Thread CPU time inside the library's entry points, less time inside exclusions."""
+
+    def __init__(self) -> None:
+        self.ours_ns = 0
+        self.calls = 0
+        self._depth = 0  # nesting of entry points
+        self._excluded_depth = 0
+
+    def ours(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def metered(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return function(*args, **kwargs)
+            self._depth = 1
+            self.calls += 1
+            started = time.thread_time_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.ours_ns += time.thread_time_ns() - started
+                self._depth = 0
+
+        return metered
+
+    def excluded(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def metered(*args: Any, **kwargs: Any) -> Any:
+            if not self._depth or self._excluded_depth:
+                return function(*args, **kwargs)
+            self._excluded_depth = 1
+            self.calls += 1
+            started = time.thread_time_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.ours_ns -= time.thread_time_ns() - started
+                self._excluded_depth = 0
+
+        return metered
+
+
+def subclasses(cls: type) -> Iterator[type]:
+    yield cls
+    for sub in cls.__subclasses__():
+        yield from subclasses(sub)
+
+
+def install(meter: Meter) -> list[str]:
+    """Patch every entry point and exclusion that exists; the names patched."""
+    patched = []
+    for table, wrap in ((OURS, meter.ours), (WRAPPED, meter.excluded)):
+        for module_name, class_name, method in table:
+            try:
+                cls = getattr(importlib.import_module(module_name), class_name)
+            except (ImportError, AttributeError):
+                continue
+            if method in vars(cls):
+                setattr(cls, method, wrap(vars(cls)[method]))
+                patched.append(f"{class_name}.{method}")
+    importlib.import_module("pyro_distributed.engines.torch_distributed")
+    for base, methods in ((Engine, COLLECTIVES), (Pending, ("wait",))):
+        for cls in subclasses(base):
+            for method in methods:
+                if method in vars(cls):
+                    setattr(cls, method, meter.excluded(vars(cls)[method]))
+                    patched.append(f"{cls.__name__}.{method}")
+    return patched
+
+
+def clock_cost_ns(reads: int = 20000) -> float:
+    """What one metered call costs in clock reads (two per call)."""
+    started = time.perf_counter_ns()
+    for _ in range(reads):
+        time.thread_time_ns()
+    return 2 * (time.perf_counter_ns() - started) / reads
+
+
+def process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def top_functions(profile: cProfile.Profile, steps: int, rows: int) -> list[dict[str, Any]]:
+    """The library's functions with the most own time per step (cProfile's tottime)."""
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    ours = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.items():
+        if "pyro_distributed" not in path or "/engines/" in path:
+            continue
+        where = path.split("pyro_distributed/", 1)[1]
+        ours.append(
+            {
+                "function": f"{where}:{line}({name})",
+                "calls_per_step": calls / steps,
+                "own_us_per_step": 1e6 * own / steps,
+                "cumulative_us_per_step": 1e6 * cumulative / steps,
+            }
+        )
+    return sorted(ours, key=lambda row: -row["own_us_per_step"])[:rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--workload", type=workload_name, required=True)
+    parser.add_argument("--optim", choices=OPTIMS, required=True)
+    parser.add_argument("--steps", type=int, default=200, help="metered steps")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--profile", type=int, default=0, help="cProfile this many more steps")
+    parser.add_argument("--rows", type=int, default=15, help="functions to list")
+    args = parser.parse_args()
+
+    meter = Meter()
+    patched = install(meter)
+    training = prepare(args.workload, args.optim, {})
+    for _ in range(args.warmup):
+        training.step()
+    if pyro_distributed.world_size() > 1:
+        pyro_distributed.barrier()
+    meter.ours_ns, meter.calls = 0, 0
+    wall, cpu = time.perf_counter(), process_cpu_s()
+    for _ in range(args.steps):
+        training.step()
+    wall, cpu = time.perf_counter() - wall, process_cpu_s() - cpu
+    calls = meter.calls / args.steps
+    library_ns = meter.ours_ns / args.steps - calls * clock_cost_ns()
+    record: dict[str, Any] = {
+        "workload": args.workload,
+        "optim": args.optim,
+        "world_size": pyro_distributed.world_size(),
+        "library_us_per_step": library_ns / 1e3,
+        "metered_calls_per_step": calls,
+        "process_cpu_ms_per_step": 1e3 * cpu / args.steps,
+        "wall_ms_per_step": 1e3 * wall / args.steps,
+        "patched": patched,
+    }
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.profile):
+            training.step()
+        profile.disable()
+        record["top_functions"] = top_functions(profile, args.profile, args.rows)
+    if pyro_distributed.is_main():
+        print(json.dumps(record), flush=True)
+    pyro_distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
