@@ -180,5 +180,5 @@ def flatten_dense(tensors: list[Tensor]) -> Tensor:
     if one is sparse. With a single tensor the result may be a view of it;
     the callers always pass two or more.
     """
-    flat: Tensor = _flatten_dense_tensors(tensors)
+    flat: Tensor = _flatten_dense_tensors(tensors)  # type: ignore[no-untyped-call]
     return flat

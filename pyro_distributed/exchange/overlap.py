@@ -35,7 +35,10 @@ What keeps this exact, and keeps workers' collectives paired:
 
 Life cycle: when the agreed parameters change, hooks are installed; the next
 step runs unoverlapped while it records the order in which buckets became
-ready; from the step after that on, buckets go out during backward.
+ready; from the step after that on, buckets go out during backward. When the
+plan has one bucket only and it carries the header (every parameter fits in
+``bucket_cap_mb``), nothing can leave early: the hooks are removed once armed,
+and backward runs without them, as it would without overlap.
 """
 
 from __future__ import annotations
@@ -238,6 +241,10 @@ class BackwardOverlap:
         if self._channel is None:
             self._channel = self._engine.open_channel()
         self._phase = "armed"
+        if not self._early:
+            # One bucket, the carrier, which leaves at the call: the hooks have
+            # nothing to send early, so backward should not pay for calling them.
+            _remove(self._hooks)
 
     def _new_step(self) -> None:
         if self._fires != self._expected:
