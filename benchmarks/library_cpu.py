@@ -25,6 +25,12 @@ read their order, not their size).
 
 The patches are applied by name, to whichever of the entry points exist, so
 the same script measures an older tree: put it first on ``PYTHONPATH``.
+``--compare BEFORE_TREE`` does that for every workload and world size asked
+for, interleaved (before, after, before, after, ...), and prints medians and
+min-max over the repeats::
+
+    git archive main pyro_distributed | tar -x -C /tmp/before
+    python benchmarks/library_cpu.py --compare /tmp/before --repeats 5
 """
 
 from __future__ import annotations
@@ -34,10 +40,16 @@ import cProfile
 import functools
 import importlib
 import json
+import os
 import pstats
 import resource
+import socket
+import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from svi_worker import OPTIMS, prepare, workload_name
@@ -165,16 +177,90 @@ def top_functions(profile: cProfile.Profile, steps: int, rows: int) -> list[dict
     return sorted(ours, key=lambda row: -row["own_us_per_step"])[:rows]
 
 
+HERE = Path(__file__).resolve().parent
+#: Metered steps per workload in --compare: about a second of steps each.
+COMPARE_STEPS = {"tiny": 300, "small400": 30, "vae": 100}
+
+
+def run_one(tree: Path, workload: str, optim: str, workers: int, steps: int) -> dict[str, Any]:
+    """One measurement of ``tree``'s library, in fresh processes."""
+    prefix = [sys.executable]
+    if workers > 1:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        prefix += ["-m", "torch.distributed.run", f"--nproc-per-node={workers}"]
+        prefix += ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    command = [*prefix, str(HERE / "library_cpu.py"), "--workload", workload]
+    command += ["--optim", optim, "--steps", str(steps), "--warmup", str(max(5, steps // 10))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tree}{os.pathsep}{HERE}"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            record: dict[str, Any] = json.loads(line)
+            return record
+    raise RuntimeError(f"{command} failed:\n{done.stderr[-3000:]}")
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Before against after, interleaved; medians and min-max of each figure."""
+    trees = {"before": Path(args.compare).resolve(), "after": HERE.parent}
+    cases = [(w, n) for w in args.workloads for n in args.world_sizes]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for repeat in range(args.repeats):
+        for workload, workers in cases:
+            for label, tree in trees.items():
+                steps = COMPARE_STEPS.get(workload, 100)
+                record = run_one(tree, workload, args.optim, workers, steps)
+                runs.setdefault(f"{workload} W={workers} {label}", []).append(record)
+                print(
+                    f"[{repeat + 1}/{args.repeats}] {workload} W={workers} {label}: "
+                    f"{record['library_us_per_step']:.0f} us library, "
+                    f"{record['process_cpu_ms_per_step']:.2f} ms CPU, "
+                    f"{record['wall_ms_per_step']:.2f} ms wall",
+                    flush=True,
+                )
+    figures = ("library_us_per_step", "process_cpu_ms_per_step", "wall_ms_per_step")
+    summary = {
+        key: {
+            figure: {
+                "median": statistics.median(r[figure] for r in records),
+                "min": min(r[figure] for r in records),
+                "max": max(r[figure] for r in records),
+            }
+            for figure in figures
+        }
+        for key, records in runs.items()
+    }
+    print("\n| case | library us/step | process CPU ms/step | wall ms/step |")
+    print("|---|---:|---:|---:|")
+    for key, by_figure in summary.items():
+        cells = [f"{f['median']:.3g} ({f['min']:.3g}-{f['max']:.3g})" for f in by_figure.values()]
+        print(f"| {key} | " + " | ".join(cells) + " |")
+    out = {"args": vars(args), "load_before": os.getloadavg(), "runs": runs, "summary": summary}
+    Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.output}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--workload", type=workload_name, required=True)
-    parser.add_argument("--optim", choices=OPTIMS, required=True)
+    parser.add_argument("--workload", type=workload_name)
+    parser.add_argument("--optim", choices=OPTIMS, default="ours")
     parser.add_argument("--steps", type=int, default=200, help="metered steps")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--profile", type=int, default=0, help="cProfile this many more steps")
     parser.add_argument("--rows", type=int, default=15, help="functions to list")
+    parser.add_argument("--compare", help="an older tree (holding pyro_distributed/) to compare")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workloads", nargs="+", default=["tiny", "small400", "vae"])
+    parser.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--output", default=str(HERE / "library_cpu.json"))
     args = parser.parse_args()
-
+    if args.compare:
+        compare(args)
+        return
+    if args.workload is None:
+        parser.error("--workload is needed (or --compare)")
     meter = Meter()
     patched = install(meter)
     training = prepare(args.workload, args.optim, {})
