@@ -179,7 +179,7 @@ def top_functions(profile: cProfile.Profile, steps: int, rows: int) -> list[dict
 
 HERE = Path(__file__).resolve().parent
 #: Metered steps per workload in --compare: about a second of steps each.
-COMPARE_STEPS = {"tiny": 300, "small400": 30, "vae": 100}
+COMPARE_STEPS = {"tiny": 100, "small400": 15, "vae": 40}
 
 
 def run_one(tree: Path, workload: str, optim: str, workers: int, steps: int) -> dict[str, Any]:
