@@ -21,6 +21,19 @@ collective of its own. This module is the only one that knows that order.
 The exchange knows nothing of Pyro: tensors come with names chosen by the
 front end, and ``catalog`` says which tensors a worker could step, for the
 rare step in which workers proposed different ones.
+
+The steady state runs a fixed plan. Once a step gives the same tensors under
+the same names as the last one (one pass builds the key, names and object
+ids, and one comparison checks it), the agreement hands back the same
+proposal and the same step tuples, the averager and the overlap see those
+tuples by identity and keep their buckets and hooks, and nothing is renamed,
+sorted, hashed or planned again; a bucket is packed by one flatten in C++.
+The digest still rides in every header, so a worker whose tensors changed
+is caught at that very step, and every worker re-plans together. Gradients
+are written back as views into the averaged bucket, not copied; they are not
+kept in the bucket between steps (DDP's ``gradient_as_bucket_view``), since
+Pyro replaces every ``.grad`` with fresh zeros after a step and torch's
+``zero_grad`` sets it to ``None``: the one copy into the bucket is the floor.
 """
 
 from __future__ import annotations
