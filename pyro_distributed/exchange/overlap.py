@@ -143,10 +143,11 @@ class BackwardOverlap:
 
     def after_step(self, names: tuple[str, ...], params: tuple[Tensor, ...]) -> None:
         """Prepare the next step; called on every worker after every step, with its parameters."""
-        if names is self._names and params is self._params:
-            pass  # the steady state: the agreement hands over the same tuples
-        elif names != self._names or any(
-            a is not b for a, b in zip(params, self._params, strict=True)
+        # The steady state hands over the very same tuples: no comparison needed.
+        same = names is self._names and params is self._params
+        if not same and (
+            names != self._names
+            or any(a is not b for a, b in zip(params, self._params, strict=True))
         ):
             self._install(names, params)
         elif self._phase == "observing":
