@@ -19,6 +19,8 @@ from pyro.infer import SVI, Trace_ELBO
 from torch.distributions import constraints
 
 import pyro_distributed as pd
+from pyro_distributed.exchange.averager import GradientAverager, Reduction
+from pyro_distributed.exchange.overlap import BackwardOverlap
 from pyro_distributed.exchange.sync import GradientSync
 
 from ..harness import CountingEngine, run_workers
@@ -187,3 +189,19 @@ def test_a_collective_between_backward_and_step_does_not_pair_with_a_bucket() ->
     assert results[0]["armed"] and results[1]["armed"]
     for name, value in results[0]["params"].items():
         assert torch.equal(results[1]["params"][name], value), name
+
+
+def test_the_same_tuples_handed_over_again_still_arm() -> None:
+    # The steady state hands the overlap the very same tuples at every step;
+    # the second step must still arm it, as a step with equal new tuples does.
+    engine = pd.current_engine()
+    averager = GradientAverager(engine, 1 << 20, Reduction())
+    overlap = BackwardOverlap(engine, averager)
+    names, params = (
+        ("a", "b"),
+        (torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)),
+    )
+    overlap.after_step(names, params)
+    assert not overlap.armed
+    overlap.after_step(names, params)
+    assert overlap.armed
