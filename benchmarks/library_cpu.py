@@ -83,6 +83,17 @@ class Meter:
         self.calls = 0
         self._depth = 0  # nesting of entry points
         self._excluded_depth = 0
+        #: Python and builtin function calls made inside the library (see count_calls).
+        self.python_calls = 0
+
+    def count_calls(self, frame: Any, event: str, arg: Any) -> None:
+        """A ``sys.setprofile`` function: counts every call made inside the library.
+
+        Unlike CPU time, the count does not depend on the machine's load: on a
+        shared machine it is the figure that compares two versions exactly.
+        """
+        if event in ("call", "c_call") and self._depth and not self._excluded_depth:
+            self.python_calls += 1
 
     def ours(self, function: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(function)
@@ -193,6 +204,7 @@ def run_one(tree: Path, workload: str, optim: str, workers: int, steps: int) -> 
         prefix += ["--master-addr=127.0.0.1", f"--master-port={port}"]
     command = [*prefix, str(HERE / "library_cpu.py"), "--workload", workload]
     command += ["--optim", optim, "--steps", str(steps), "--warmup", str(max(5, steps // 10))]
+    command += ["--count-calls", "10"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tree}{os.pathsep}{HERE}"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     for line in done.stdout.splitlines():
@@ -210,17 +222,23 @@ def compare(args: argparse.Namespace) -> None:
     for repeat in range(args.repeats):
         for workload, workers in cases:
             for label, tree in trees.items():
-                steps = COMPARE_STEPS.get(workload, 100)
+                steps = max(2, int(COMPARE_STEPS.get(workload, 100) * args.steps_scale))
                 record = run_one(tree, workload, args.optim, workers, steps)
                 runs.setdefault(f"{workload} W={workers} {label}", []).append(record)
                 print(
                     f"[{repeat + 1}/{args.repeats}] {workload} W={workers} {label}: "
                     f"{record['library_us_per_step']:.0f} us library, "
                     f"{record['process_cpu_ms_per_step']:.2f} ms CPU, "
-                    f"{record['wall_ms_per_step']:.2f} ms wall",
+                    f"{record['wall_ms_per_step']:.2f} ms wall, "
+                    f"{record['calls_per_step']:.0f} calls",
                     flush=True,
                 )
-    figures = ("library_us_per_step", "process_cpu_ms_per_step", "wall_ms_per_step")
+    figures = (
+        "library_us_per_step",
+        "process_cpu_ms_per_step",
+        "wall_ms_per_step",
+        "calls_per_step",
+    )
     summary = {
         key: {
             figure: {
@@ -232,8 +250,8 @@ def compare(args: argparse.Namespace) -> None:
         }
         for key, records in runs.items()
     }
-    print("\n| case | library us/step | process CPU ms/step | wall ms/step |")
-    print("|---|---:|---:|---:|")
+    print("\n| case | library us/step | process CPU ms/step | wall ms/step | calls/step |")
+    print("|---|---:|---:|---:|---:|")
     for key, by_figure in summary.items():
         cells = [f"{f['median']:.3g} ({f['min']:.3g}-{f['max']:.3g})" for f in by_figure.values()]
         print(f"| {key} | " + " | ".join(cells) + " |")
@@ -250,11 +268,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--profile", type=int, default=0, help="cProfile this many more steps")
     parser.add_argument("--rows", type=int, default=15, help="functions to list")
+    parser.add_argument(
+        "--count-calls", type=int, default=0, help="count calls inside the library over N steps"
+    )
     parser.add_argument("--compare", help="an older tree (holding pyro_distributed/) to compare")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workloads", nargs="+", default=["tiny", "small400", "vae"])
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--output", default=str(HERE / "library_cpu.json"))
+    parser.add_argument(
+        "--steps-scale", type=float, default=1.0, help="scale --compare's steps (quick runs)"
+    )
     args = parser.parse_args()
     if args.compare:
         compare(args)
@@ -285,6 +309,13 @@ def main() -> None:
         "wall_ms_per_step": 1e3 * wall / args.steps,
         "patched": patched,
     }
+    if args.count_calls:
+        meter.python_calls = 0
+        sys.setprofile(meter.count_calls)
+        for _ in range(args.count_calls):
+            training.step()
+        sys.setprofile(None)
+        record["calls_per_step"] = meter.python_calls / args.count_calls
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
