@@ -29,6 +29,7 @@ writes ``benchmarks/lightning_results.json``.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import statistics
@@ -162,7 +163,14 @@ def worker(args: argparse.Namespace) -> None:
         num_sanity_val_steps=0,
     )
     # DDP gets Lightning's DistributedSampler; the strategy, its own ShardSampler.
+    profile = cProfile.Profile() if args.profile else None
+    if profile is not None:
+        profile.enable()
     trainer.fit(module, DataLoader(dataset, batch_size=BATCH, shuffle=True))
+    if profile is not None:
+        profile.disable()
+        if trainer.is_global_zero:
+            profile.dump_stats(args.profile)
     # Leave together: a gloo group torn down while its peer's is still open can
     # abort the slower process at exit (plain DDP leaves that to the interpreter).
     if torch.distributed.is_initialized():
@@ -206,6 +214,8 @@ def main() -> None:
     parser.add_argument("--workload", default="global", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="ours", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    # cProfile worker 0's whole fit into this file (with --worker; see README).
+    parser.add_argument("--profile", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)

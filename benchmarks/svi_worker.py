@@ -60,6 +60,11 @@ SMALL_BATCH = 256
 # AutoNormal makes 40 parameters of 10k floats (1.6 MB of gradients).
 WIDE_NAME, WIDE_TENSORS, WIDE_DIM = "wide40", 40, 10_000
 
+# tiny: the same regression with 5 coefficient vectors of 100 floats each, so
+# AutoNormal makes 10 parameters, 1,000 floats in all: a step so cheap that
+# any per-step overhead of the library shows.
+TINY_NAME, TINY_TENSORS, TINY_DIM = "tiny", 10, 100
+
 # large1m: a one-hidden-layer regression whose 1000 x 1000 weight is ~1 M floats.
 HIDDEN = 1000
 LARGE_BATCH = 512
@@ -299,7 +304,8 @@ LOCAL_NAME = re.compile(r"local(\d+)")
 
 
 def build_workload(name: str, generator: torch.Generator, as_modules: bool) -> Workload:
-    """The workload called ``name``: ``smallN`` (N even), ``wide40``, ``large1m`` or ``vae``.
+    """The workload called ``name``: ``smallN`` (N even), ``tiny``, ``wide40``, ``large1m``
+    or ``vae``.
 
     ``as_modules`` asks for model and guide as PyroModules that own their
     parameters, as DDP needs them; smallN's pair already is.
@@ -310,6 +316,8 @@ def build_workload(name: str, generator: torch.Generator, as_modules: bool) -> W
         return vae(generator, as_modules)
     if name == WIDE_NAME:
         return small(WIDE_TENSORS, generator, WIDE_DIM)
+    if name == TINY_NAME:
+        return small(TINY_TENSORS, generator, TINY_DIM)
     local = LOCAL_NAME.fullmatch(name)
     if local is not None:
         # The same data on every worker, as a data set they share.
@@ -327,7 +335,7 @@ def small_tensors(name: str) -> int:
 
 def workload_name(name: str) -> str:
     """argparse type: a workload name that :func:`build_workload` accepts."""
-    if name not in ("large1m", "vae", WIDE_NAME) and not LOCAL_NAME.fullmatch(name):
+    if name not in ("large1m", "vae", WIDE_NAME, TINY_NAME) and not LOCAL_NAME.fullmatch(name):
         try:
             small_tensors(name)
         except ValueError as exc:
@@ -553,7 +561,7 @@ def parse_args() -> argparse.Namespace:
         "--workload",
         type=workload_name,
         required=True,
-        help="small<N>, local<N>, wide40, large1m or vae",
+        help="small<N>, local<N>, tiny, wide40, large1m or vae",
     )
     parser.add_argument("--optim", choices=OPTIMS, required=True)
     parser.add_argument("--steps", type=int, default=50, help="timed steps")

@@ -15,9 +15,10 @@ from collections import OrderedDict
 
 import torch
 from torch import Tensor
+from torch._utils import _flatten_dense_tensors
 from torch.distributed.distributed_c10d import PrefixStore as _PrefixStore
 
-__all__ = ["PrefixStore", "grad_version", "init_optimizer_hooks"]
+__all__ = ["PrefixStore", "flatten_dense", "grad_version", "init_optimizer_hooks"]
 
 #: A store that prefixes every key. torch exports it from ``torch.distributed``
 #: but documents it nowhere; the torch engine uses it to give every attempt at
@@ -48,3 +49,16 @@ def grad_version(grad: Tensor) -> int:
     """
     version: int = grad._version
     return version
+
+
+def flatten_dense(tensors: list[Tensor]) -> Tensor:
+    """The tensors' values, flattened and concatenated into one new 1-D tensor.
+
+    One call into C++ instead of one ``reshape(-1)`` per tensor and a
+    ``torch.cat``: packing a bucket of hundreds of small gradients is a
+    per-step cost. ``TypeError`` if an element is ``None``, ``RuntimeError``
+    if one is sparse. With a single tensor the result may be a view of it;
+    the callers always pass two or more.
+    """
+    flat: Tensor = _flatten_dense_tensors(tensors)  # type: ignore[no-untyped-call]
+    return flat

@@ -197,3 +197,16 @@ def test_init_optimizer_hooks_make_an_optimizer_without_init_take_step_hooks() -
         param.grad = torch.ones(1)
         sharing.step()
         assert calls == ["pre", "post"] and torch.equal(param.detach(), torch.zeros(1))
+
+
+def test_flatten_dense_copies_every_value_in_order_and_refuses_none_and_sparse() -> None:
+    with reaching("torch._utils._flatten_dense_tensors"):
+        a, b = torch.arange(4.0).reshape(2, 2).t(), torch.tensor([4.0, 5.0])  # a: not contiguous
+        flat = torch_internals.flatten_dense([a, b])
+        assert flat.tolist() == [0.0, 2.0, 1.0, 3.0, 4.0, 5.0]
+        flat[0] = 9.0
+        assert a[0, 0] == 0.0, "a copy, not a view"
+    with pytest.raises(TypeError):
+        torch_internals.flatten_dense([None, b])  # type: ignore[list-item]
+    with pytest.raises(RuntimeError):
+        torch_internals.flatten_dense([b.to_sparse(), b])

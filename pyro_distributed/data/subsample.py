@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import torch
 from pyro.poutine.messenger import Messenger
@@ -156,17 +156,24 @@ class shard_subsamples(Messenger):
         # plate name -> (size, this step's global indices) for plates drawn by block
         self._blocks: dict[str, tuple[int, torch.Tensor]] = {}
 
+    def __enter__(self) -> Self:
+        # Re-entered at every step by the Lightning strategy: no draw of an
+        # earlier use may scale this one's sites.
+        self._blocks.clear()
+        super().__enter__()
+        return self
+
     def _pyro_sample(self, msg: Any) -> None:
         fn = msg["fn"]
         if not isinstance(fn, Subsample):
             self._scale_for_blocks(msg)
             return
-        workers, rank = runtime.world_size(), runtime.rank()
         if self.by_block:
             self._subsample_by_block(msg, fn)
             return
         if msg["value"] is not None:
-            return
+            return  # subsample= given: nothing to draw, nothing to ask the engine
+        workers, rank = runtime.world_size(), runtime.rank()
         size, per_worker = fn.size, fn.subsample_size
         if workers > 1:
             _warn_if_sized_by_a_shard(msg["name"], size)

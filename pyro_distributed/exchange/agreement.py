@@ -26,12 +26,23 @@ them reach the same verdict from the same data:
 
 New parameters (first seen, or re-created with the same name) then take worker
 0's values, so lazily initialised guides start identical everywhere.
+
+The steady state costs no naming work: a proposal is remembered with its key,
+the names and the object ids of the tensors given, in the order given (one
+pass, compared at once). A step that gives the same tensors under the same
+names, with nothing synchronised since, gets the remembered proposal (sorted
+names, digest, header floats) and, once every worker is known to agree, the
+remembered step. The proposal holds its tensors, so their ids cannot be
+reused by other tensors while it is remembered. The digest still travels at
+every step, so a worker whose tensors changed is caught at the step it
+changed them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -61,6 +72,8 @@ DIGEST_FLOATS = 16
 MAX_SUMMED_WORKERS = 2**24 // 255**2
 
 Spec = tuple[tuple[int, ...], str]  # shape, dtype
+# A proposal's key: the names given and the ids of their tensors, in the order given.
+_Key = tuple[tuple[str, ...], tuple[int, ...]]
 #: Every tensor a worker could step, by name (see :meth:`ParameterAgreement.settle`).
 Catalog = Callable[[], Mapping[str, Tensor]]
 
@@ -83,6 +96,17 @@ class Proposal:
     given: dict[str, Tensor]
     new: tuple[str, ...]
     digest: int
+
+    @cached_property
+    def floats(self) -> list[float]:
+        """The digest as :func:`digest_floats` (made once per proposal)."""
+        return digest_floats(self.digest)
+
+    @cached_property
+    def step(self) -> StepParams:
+        """The step, should every worker propose the same (made once per proposal)."""
+        tensors = tuple(self.given[name] for name in self.names)
+        return StepParams(self.names, tensors, frozenset())
 
 
 @dataclass(frozen=True)
@@ -134,10 +158,14 @@ class ParameterAgreement:
         self._catalog_name = catalog_name
         # name -> the unconstrained tensor that was synchronised under that name
         self._synced: dict[str, Tensor] = {}
+        # The last proposal and its key (see the module docstring); dropped
+        # whenever _synced changes, since what is new depends on it.
+        self._last: tuple[_Key, Proposal] | None = None
 
     def forget(self) -> None:
         """Treat every parameter as new again (after a checkpoint was loaded)."""
         self._synced.clear()
+        self._last = None
 
     def propose(self, given: Mapping[str, Tensor]) -> Proposal:
         """This worker's view of the step, before any communication.
@@ -145,16 +173,21 @@ class ParameterAgreement:
         :param given: the tensors this worker steps, by the names that every
             worker knows them by (param-store names, module paths, ...).
         """
+        key = (tuple(given), tuple(map(id, given.values())))
+        last = self._last
+        if last is not None and last[0] == key:
+            return last[1]
         names = sorted(given)
         new = [name for name in names if self._synced.get(name) is not given[name]]
         digest = digest_int((names, [(name, _spec(given[name])) for name in new]))
-        return Proposal(tuple(names), dict(given), tuple(new), digest)
+        proposal = Proposal(tuple(names), dict(given), tuple(new), digest)
+        self._last = (key, proposal)
+        return proposal
 
     def accept(self, proposal: Proposal) -> StepParams:
         """The step, when every worker is known to have proposed it and nothing is new."""
         assert not proposal.new, "new parameters must be synchronised through settle()"
-        tensors = tuple(proposal.given[name] for name in proposal.names)
-        return StepParams(proposal.names, tensors, frozenset())
+        return proposal.step
 
     def settle(
         self, proposal: Proposal, catalog: Catalog, riders: Sequence[int] = ()
@@ -166,13 +199,16 @@ class ParameterAgreement:
         the step here from it. ``riders`` (non-negative ints) travel in the
         same collective as the digest, which saves the caller a round trip.
         """
-        names, given, new = list(proposal.names), proposal.given, list(proposal.new)
         # cpu: Python ints read back at once; every engine carries CPU tensors.
         header = torch.tensor(
             [proposal.digest, -proposal.digest, *riders], dtype=torch.int64, device="cpu"
         )
         self._engine.allreduce_([header], op="max")
-        unanimous = header[0].item() == -header[1].item()
+        top, bottom, *summed = header.tolist()
+        unanimous = top == -bottom
+        if unanimous and not proposal.new:
+            return Settlement(proposal.step, True, summed)
+        names, given, new = list(proposal.names), proposal.given, list(proposal.new)
         borrowed: frozenset[str] = frozenset()
         if not unanimous:
             mine = frozenset(given)
@@ -181,8 +217,9 @@ class ParameterAgreement:
         if new:
             broadcast_values_(self._engine, [given[name] for name in new], self._cap_bytes)
             self._synced.update((name, given[name]) for name in new)
+            self._last = None
         step = StepParams(tuple(names), tuple(given[name] for name in names), borrowed)
-        return Settlement(step, unanimous and not new, header[2:].tolist())
+        return Settlement(step, unanimous and not new, summed)
 
     def _reconcile(
         self, given: Mapping[str, Tensor], in_store: Mapping[str, Tensor]

@@ -94,6 +94,10 @@ class GradientAverager:
         self._engine = engine
         self._cap_bytes = cap_bytes
         self._reduction = reduction
+        # Factors before and after summation, without and with a narrowing
+        # compression: fixed for the engine's world size, so worked out once.
+        self._plain_scales = self._scales_for(narrowed=False)
+        self._narrowed_scales = self._scales_for(narrowed=True)
         #: Whether to measure squared norms for :meth:`squared_norms`.
         self.measure_norms = measure_norms
         # Per bucket, this step: this worker's squared norm (kept where the bucket
@@ -110,6 +114,8 @@ class GradientAverager:
 
     def plan(self, names: Sequence[str], params: Sequence[Tensor]) -> list[Bucket]:
         """Plan (or reuse) the buckets for these parameters, in this order."""
+        if params is self._params:  # the steady state hands over the same tuple
+            return self.buckets
         key = tuple(id(p) for p in params)
         if key != self._plan_key:
             group_of = _group_of(params, self._reduction.groups)
@@ -121,7 +127,9 @@ class GradientAverager:
                 for b in self.buckets
             ]
             self._plan_key = key
-            self._params = tuple(params)
+        # Kept as given (the step's tuple, the same object from step to step),
+        # so that the identity test above answers the steady state at once.
+        self._params = params if isinstance(params, tuple) else tuple(params)
         return self.buckets
 
     def pack(self, index: int, riders: Sequence[float] = ()) -> Tensor:
@@ -188,9 +196,15 @@ class GradientAverager:
                 self._summed_sq[index] = bucket.norm(flat).double()
         present = bucket.present(flat)
         chunks = bucket.split_gradients(flat)
-        for slot, (member, chunk) in enumerate(zip(bucket.members, chunks, strict=True)):
-            param = self._params[member]
-            param.grad = chunk.view_as(param) if present[slot] else None
+        params = self._params
+        if all(present):
+            for member, chunk in zip(bucket.members, chunks, strict=True):
+                param = params[member]
+                param.grad = chunk.view_as(param)
+        else:
+            for slot, (member, chunk) in enumerate(zip(bucket.members, chunks, strict=True)):
+                param = params[member]
+                param.grad = chunk.view_as(param) if present[slot] else None
         # The gradients only: flags and riders are finite by construction, and
         # a squared norm that overflows must not make the step look non-finite.
         return _all_finite(body)
@@ -220,6 +234,9 @@ class GradientAverager:
 
     def _scales(self, narrowed: bool) -> tuple[float, float]:
         """Factors applied before and after summation."""
+        return self._narrowed_scales if narrowed else self._plain_scales
+
+    def _scales_for(self, narrowed: bool) -> tuple[float, float]:
         if self._reduction.op == "sum":
             return 1.0, 1.0
         world_size = self._engine.world_size

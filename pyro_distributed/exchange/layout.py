@@ -24,11 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
 
 from ..engines import Engine
+from ..errors import PyroDistributedError
+from ..torch_internals import flatten_dense
 
 __all__ = ["Bucket", "broadcast_values_", "plan_buckets"]
 
@@ -44,7 +47,7 @@ class Bucket:
     #: Whether the bucket carries this worker's squared norm in its sum.
     norm_slot: bool = False
 
-    @property
+    @cached_property
     def size(self) -> int:
         """How many gradient values the bucket holds."""
         return sum(self.numels)
@@ -54,13 +57,33 @@ class Bucket:
         flat tensor. ``tensors`` is the whole planned sequence; a member without a
         gradient contributes zeros. The norm slot is left at zero for
         :meth:`set_norm`."""
-        members = [tensors[i] for i in self.members]
-        tail = torch.tensor(
-            [float(t.grad is not None) for t in members] + [0.0] * self.norm_slot + list(riders),
-            dtype=self.dtype,
-            device=self.device,
-        )
-        return torch.cat([*(_dense_grad(t).reshape(-1) for t in members), tail])
+        grads = [tensors[i].grad for i in self.members]
+        tail = [self._present_tail]
+        if riders:
+            tail.append(torch.tensor(riders, dtype=self.dtype, device=self.device))
+        try:
+            # The common case, every member with a dense gradient: one copy in C++.
+            flat = flatten_dense([*grads, *tail])  # type: ignore[list-item]
+        except (TypeError, RuntimeError):  # a gradient is None, or sparse
+            members = [tensors[i] for i in self.members]
+            tail[0] = torch.tensor(
+                [float(t.grad is not None) for t in members] + [0.0] * self.norm_slot,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            flat = torch.cat([*(_dense_grad(t).reshape(-1) for t in members), *tail])
+        if flat.size(0) != self.size + len(self.members) + self.norm_slot + len(riders):
+            raise PyroDistributedError(_changed_in_place(self, tensors))
+        # Detached: multi-optimizers leave graph-carrying gradients (create_graph=True).
+        return flat.detach() if flat.requires_grad else flat
+
+    @cached_property
+    def _present_tail(self) -> Tensor:
+        """Every member present, and the norm slot at zero (made once, copied by pack)."""
+        tail = torch.ones(len(self.members) + self.norm_slot, dtype=self.dtype, device=self.device)
+        if self.norm_slot:
+            tail[-1] = 0.0
+        return tail
 
     def gradients(self, flat: Tensor) -> Tensor:
         """The gradient values of a packed (or summed) bucket."""
@@ -143,6 +166,20 @@ def broadcast_values_(engine: Engine, tensors: Sequence[Tensor], cap_bytes: int)
         for bucket, flat in zip(buckets, flats, strict=True):
             for index, chunk in zip(bucket.members, bucket.split_gradients(flat), strict=True):
                 tensors[index].copy_(chunk.view_as(tensors[index]))
+
+
+def _changed_in_place(bucket: Bucket, tensors: Sequence[Tensor]) -> str:
+    """Why a bucket's gradients no longer fit it: a member changed size in place."""
+    changed = [
+        f"{list(tensors[i].shape)} ({tensors[i].numel()} values, planned {numel})"
+        for i, numel in zip(bucket.members, bucket.numels, strict=True)
+        if tensors[i].numel() != numel
+    ]
+    return (
+        f"a parameter changed its size in place since its gradient was first averaged "
+        f"(now {', '.join(changed) or 'unknown'}): replace a parameter by a new tensor, "
+        f"which every worker then agrees on, instead of assigning to its .data"
+    )
 
 
 def _dense_grad(tensor: Tensor) -> Tensor:

@@ -35,7 +35,10 @@ What keeps this exact, and keeps workers' collectives paired:
 
 Life cycle: when the agreed parameters change, hooks are installed; the next
 step runs unoverlapped while it records the order in which buckets became
-ready; from the step after that on, buckets go out during backward.
+ready; from the step after that on, buckets go out during backward. When the
+plan has one bucket only and it carries the header (every parameter fits in
+``bucket_cap_mb``), nothing can leave early: the hooks are removed once armed,
+and backward runs without them, as it would without overlap.
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ class BackwardOverlap:
         self._expected: list[int] = []  # accumulations per parameter per step
         self._fires: list[int] = []  # accumulations per parameter so far this step
         self._waiting: list[int] = []  # per bucket: members still short of their expectation
+        self._sizes: list[int] = []  # per bucket: how many members it has
         self._observed: list[int] = []  # buckets in the order they became ready
         self._next = 0  # position in _order of the next bucket to send
         self._sent: dict[int, _Sent] = {}
@@ -135,14 +139,17 @@ class BackwardOverlap:
         self._drain()
         _remove(self._hooks)
         self._phase, self._names, self._params = "idle", (), ()
-        self._expected, self._fires = [], []
+        self._expected, self._fires, self._sizes = [], [], []
 
-    def after_step(self, names: Sequence[str], params: Sequence[Tensor]) -> None:
+    def after_step(self, names: tuple[str, ...], params: tuple[Tensor, ...]) -> None:
         """Prepare the next step; called on every worker after every step, with its parameters."""
-        if tuple(names) != self._names or any(
-            a is not b for a, b in zip(params, self._params, strict=True)
+        # The steady state hands over the very same tuples: no comparison needed.
+        same = names is self._names and params is self._params
+        if not same and (
+            names != self._names
+            or any(a is not b for a, b in zip(params, self._params, strict=True))
         ):
-            self._install(tuple(names), tuple(params))
+            self._install(names, params)
         elif self._phase == "observing":
             self._arm()
         self._new_step()
@@ -207,6 +214,7 @@ class BackwardOverlap:
         _remove(self._hooks)
         buckets = self._averager.plan(names, params)
         self._names, self._params = names, params
+        self._sizes = [len(bucket.members) for bucket in buckets]
         self._bucket_of = [0] * len(params)
         for index, bucket in enumerate(buckets):
             for member in bucket.members:
@@ -235,13 +243,17 @@ class BackwardOverlap:
         if self._channel is None:
             self._channel = self._engine.open_channel()
         self._phase = "armed"
+        if not self._early:
+            # One bucket, the carrier, which leaves at the call: the hooks have
+            # nothing to send early, so backward should not pay for calling them.
+            _remove(self._hooks)
 
     def _new_step(self) -> None:
-        # A parameter that got no gradient this step keeps its old expectation.
-        self._expected = [f or e for f, e in zip(self._fires, self._expected, strict=True)]
+        if self._fires != self._expected:
+            # A parameter that got no gradient this step keeps its old expectation.
+            self._expected = [f or e for f, e in zip(self._fires, self._expected, strict=True)]
         self._fires = [0] * len(self._params)
-        buckets = self._averager.plan(self._names, self._params) if self._params else []
-        self._waiting = [len(bucket.members) for bucket in buckets]
+        self._waiting = self._sizes.copy()
         self._observed = []
         self._next = 0
         self._sent = {}
@@ -272,7 +284,10 @@ class BackwardOverlap:
         assert self._channel is not None
         with torch.no_grad():
             flat = self._averager.pack(index, riders)
-            grads = [_grad_stamp(self._params[i]) for i in self._averager.buckets[index].members]
+            # The carrier is packed at the call, after every backward pass: it
+            # cannot go stale, and needs no stamps.
+            members = () if index == self._carrier else self._averager.buckets[index].members
+            grads = [_grad_stamp(self._params[i]) for i in members]
             wire, context = self._averager.encode(flat)
         name = self._averager.bucket_names[index]
         pending = self._channel.allreduce_async_(wire, "sum", name)

@@ -21,6 +21,19 @@ collective of its own. This module is the only one that knows that order.
 The exchange knows nothing of Pyro: tensors come with names chosen by the
 front end, and ``catalog`` says which tensors a worker could step, for the
 rare step in which workers proposed different ones.
+
+The steady state runs a fixed plan. Once a step gives the same tensors under
+the same names as the last one (one pass builds the key, names and object
+ids, and one comparison checks it), the agreement hands back the same
+proposal and the same step tuples, the averager and the overlap see those
+tuples by identity and keep their buckets and hooks, and nothing is renamed,
+sorted, hashed or planned again; a bucket is packed by one flatten in C++.
+The digest still rides in every header, so a worker whose tensors changed
+is caught at that very step, and every worker re-plans together. Gradients
+are written back as views into the averaged bucket, not copied; they are not
+kept in the bucket between steps (DDP's ``gradient_as_bucket_view``), since
+Pyro replaces every ``.grad`` with fresh zeros after a step and torch's
+``zero_grad`` sets it to ``None``: the one copy into the bucket is the floor.
 """
 
 from __future__ import annotations
@@ -37,7 +50,6 @@ from .agreement import (
     ParameterAgreement,
     Proposal,
     StepParams,
-    digest_floats,
     digests_equal,
 )
 from .averager import GradientAverager, Reduction
@@ -63,6 +75,8 @@ class Exchanged:
         """Drop the gradients of borrowed tensors, after the step: this worker's
         own loop will not zero them, and a stale average must not count as
         this worker's gradient next step."""
+        if not self.borrowed:
+            return
         for name, tensor in zip(self.names, self.tensors, strict=True):
             if name in self.borrowed:
                 tensor.grad = None
@@ -89,7 +103,7 @@ class GradientSync:
         measure_norms: bool = False,
         catalog_name: str = "param store",
     ) -> None:
-        self._engine = engine
+        self._world_size = engine.world_size
         self._agreement = ParameterAgreement(engine, cap_bytes, catalog_name)
         self._averager = GradientAverager(engine, cap_bytes, reduction, measure_norms)
         self._overlap = BackwardOverlap(engine, self._averager) if overlap else None
@@ -151,18 +165,18 @@ class GradientSync:
         overlap.send_remaining()
         stale = overlap.stale_flags()
         if overlap.carrier is not None:
-            summed = overlap.send_carrier([*digest_floats(proposal.digest), *stale, flag])
-            unanimous = digests_equal(summed[:DIGEST_FLOATS], self._engine.world_size)
+            summed = overlap.send_carrier([*proposal.floats, *stale, flag])
+            unanimous = digests_equal(summed[:DIGEST_FLOATS], self._world_size)
             resend = [int(value > 0) for value in summed[DIGEST_FLOATS:-1]]
             raised = summed[-1] > 0
-            if unanimous and not proposal.new and proposal.names == overlap.names:
+            if unanimous and not proposal.new and _same(proposal.names, overlap.names):
                 return self._agreement.accept(proposal), overlap.finish(resend), raised
             overlap.discard()
             step = self._agreement.settle(proposal, catalog).step
         else:
             settlement = self._agreement.settle(proposal, catalog, [*stale, flag])
             step, raised = settlement.step, settlement.riders[-1] > 0
-            if settlement.unchanged and step.names == overlap.names:
+            if settlement.unchanged and _same(step.names, overlap.names):
                 return step, overlap.finish(resend=settlement.riders[:-1]), raised
             overlap.discard()
         return step, self._averager.average_(step.names, step.tensors), raised
@@ -184,3 +198,9 @@ class GradientSync:
         self._agreement.forget()
         if self._overlap is not None:
             self._overlap.reset()
+
+
+def _same(names: tuple[str, ...], planned: tuple[str, ...]) -> bool:
+    """Whether two lists of names are equal; at once when they are the same tuple,
+    as they are in the steady state."""
+    return names is planned or names == planned

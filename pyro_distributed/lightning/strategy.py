@@ -32,8 +32,7 @@ it changes is what DDP does with gradients and data:
 from __future__ import annotations
 
 import atexit
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -179,6 +178,12 @@ class PyroDistributedStrategy(DDPStrategy):
         self._engine: Engine | None = None
         self._resumption: checkpoints.Resumption | None = None
         self.own_local_params = own_local_params
+        # Training steps run inside it: one messenger, re-entered at every step.
+        self._shards = shard_subsamples(
+            by_block=own_local_params,
+            own_local_params=own_local_params,
+            local_updates=self.local_updates,
+        )
         self.shuffle, self.seed = shuffle, seed
         self._optimizer_options = options
 
@@ -288,17 +293,8 @@ class PyroDistributedStrategy(DDPStrategy):
 
     # -- steps: subsampling sharded, local parameters owned
 
-    @contextmanager
-    def _sharded(self) -> Iterator[None]:
-        with shard_subsamples(
-            by_block=self.own_local_params,
-            own_local_params=self.own_local_params,
-            local_updates=self.local_updates,
-        ):
-            yield
-
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._sharded():
+        with self._shards:
             return super().training_step(*args, **kwargs)
 
     # -- data: this library's samplers

@@ -87,11 +87,16 @@ class GroupedStepper:
         self._pyro_optim = pyro_optim
         self._groups: dict[str, torch.optim.Optimizer] = {}
         self._group_of: dict[Tensor, torch.optim.Optimizer] = {}
+        # The last call's parameters (held, so that their ids stay theirs), their
+        # ids, and its plan: each group to step, with the members to hide.
+        self._last: tuple[tuple[Tensor, ...], tuple[int, ...]] = ((), ())
+        self._plan: list[tuple[torch.optim.Optimizer, list[Tensor]]] = []
 
     def forget(self) -> None:
         """Drop every group (after the param store was replaced)."""
         self._groups.clear()
         self._group_of.clear()
+        self._last, self._plan = ((), ()), []
 
     def _join(self, param: Tensor) -> None:
         # A one-parameter optimizer resolves the hyper-parameters and takes
@@ -123,17 +128,34 @@ class GroupedStepper:
         self._group_of[param] = group
 
     def step(self, params: Iterable[Tensor]) -> None:
-        stepping = set()
-        for param in params:
-            if param not in self._group_of:
-                self._join(param)
-            stepping.add(param)
-        for group in {id(self._group_of[p]): self._group_of[p] for p in stepping}.values():
-            members = group.param_groups[0]["params"]
-            hidden = [p for p in members if p not in stepping and p.grad is not None]
+        params = tuple(params)
+        ids = tuple(map(id, params))
+        if ids != self._last[1]:  # else the same tensors as last call: the same plan
+            self._last, self._plan = (params, ids), self._make_plan(params)
+        for group, hideable in self._plan:
+            if not hideable:
+                group.step()
+                continue
+            hidden = [p for p in hideable if p.grad is not None]
             saved = [p.grad for p in hidden]
             for p in hidden:  # PyroOptim steps only what it is given
                 p.grad = None
             group.step()
             for p, grad in zip(hidden, saved, strict=True):
                 p.grad = grad
+
+    def _make_plan(
+        self, params: tuple[Tensor, ...]
+    ) -> list[tuple[torch.optim.Optimizer, list[Tensor]]]:
+        """The groups that ``params`` belong to (joining new ones), each with the
+        members that were not passed and must sit out the step."""
+        stepping = set()
+        for param in params:
+            if param not in self._group_of:
+                self._join(param)
+            stepping.add(param)
+        groups = {id(self._group_of[p]): self._group_of[p] for p in stepping}.values()
+        return [
+            (group, [p for p in group.param_groups[0]["params"] if p not in stepping])
+            for group in groups
+        ]

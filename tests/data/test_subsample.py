@@ -96,3 +96,29 @@ def too_many_workers_for_the_plate() -> str:
 def test_plate_too_small_for_all_workers_is_a_clear_error() -> None:
     message = run_workers(too_many_workers_for_the_plate)[0]
     assert "plate 'small': 2 workers x subsample_size 3 exceeds its size 5" in message
+
+
+def indices_with_one_messenger(steps: int, by_block: bool) -> tuple[list[list[int]], bool]:
+    """The guide's indices at each step, fresh messengers against one re-entered."""
+    data = torch.arange(float(SIZE))
+    guide = AutoNormal(plate_model)
+    seen: dict[str, list[list[int]]] = {}
+    reused = pd.shard_subsamples(by_block=by_block)
+    for kind in ("fresh", "reused"):
+        pd.set_rng_seed(3)
+        seen[kind] = []
+        for _ in range(steps):
+            with reused if kind == "reused" else pd.shard_subsamples(by_block=by_block):
+                trace = poutine.trace(guide).get_trace(data)
+            seen[kind].append(trace.nodes["data"]["value"].tolist())
+    # Nothing drawn at an earlier use is left to scale a later one's sites.
+    with reused:
+        drawn_before = bool(reused._blocks)
+    return seen["reused"], seen["reused"] == seen["fresh"] and not drawn_before
+
+
+@pytest.mark.parametrize("by_block", [False, True])
+def test_one_messenger_re_entered_draws_as_fresh_ones_do(by_block: bool) -> None:
+    first, second = run_workers(indices_with_one_messenger, 3, by_block)
+    assert first[1] and second[1]
+    assert not set(first[0][0]) & set(second[0][0])

@@ -197,3 +197,24 @@ def test_parameter_agreement_names_the_catalog_and_the_workers() -> None:
     assert recreated[0] == recreated[1]
     assert "parameter 'p' was re-created on worker 1 only" in recreated[0]
     assert "it is still the synchronised one on worker 0" in recreated[0]
+
+
+def test_the_same_tensors_under_the_same_names_reuse_the_proposal() -> None:
+    agreement = ParameterAgreement(pd.current_engine(), cap_bytes=1 << 20)
+    a, b = torch.zeros(3), torch.zeros(2)
+    first = agreement.propose({"b": b, "a": a})
+    assert first.new == ("a", "b")
+    agreement.settle(first, lambda: {"a": a, "b": b})  # both synchronised: nothing new now
+    steady = agreement.propose({"b": b, "a": a})
+    assert steady is not first and steady.new == ()
+    # A fresh mapping of the same tensors under the same names: the same proposal, and step.
+    assert agreement.propose({"b": b, "a": a}) is steady
+    assert agreement.accept(steady) is agreement.accept(steady)
+    assert agreement.accept(steady).tensors == (a, b)
+    # A replaced tensor, or a renamed one, is proposed afresh and is new.
+    assert agreement.propose({"b": torch.zeros(2), "a": a}).new == ("b",)
+    assert agreement.propose({"c": b, "a": a}).new == ("c",)
+    again = agreement.propose({"b": b, "a": a})
+    assert again is not steady and again.digest == steady.digest
+    agreement.forget()
+    assert agreement.propose({"b": b, "a": a}).new == ("a", "b")

@@ -119,3 +119,30 @@ def _broadcast_from_worker_zero() -> list[list[float]]:
 def test_broadcast_values_gives_every_worker_worker_zeros_values_in_place() -> None:
     for values in run_workers(_broadcast_from_worker_zero, world_size=3):
         assert values == [[0.0, 0.0], [10.0, 10.0, 10.0], [0]]
+
+
+def test_a_parameter_resized_in_place_is_named_instead_of_mis_split() -> None:
+    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    bucket = plan_buckets(params, cap_bytes=1 << 20)[0]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    assert bucket.pack(params).tolist() == [1.0] * 5 + [1.0, 1.0]
+    params[1].data = torch.zeros(4)
+    params[1].grad = torch.ones(4)
+    with pytest.raises(pd.PyroDistributedError, match=r"now \[4\] \(4 values, planned 2\)"):
+        bucket.pack(params)
+
+
+def test_pack_is_the_same_with_and_without_every_gradient() -> None:
+    params = [torch.zeros(2, 2, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    bucket = plan_buckets(params, cap_bytes=1 << 20, norm_slot=True)[0]
+    params[0].grad = torch.arange(4.0).reshape(2, 2)
+    params[1].grad = torch.tensor([4.0, 5.0, 6.0])
+    whole = bucket.pack(params, riders=[7.0, 8.0])
+    assert whole.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 1.0, 1.0, 0.0, 7.0, 8.0]
+    params[1].grad = None
+    partial = bucket.pack(params, riders=[7.0, 8.0])
+    assert partial.tolist() == [0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 7.0, 8.0]
+    # A gradient that carries a graph (create_graph=True) travels detached.
+    params[1].grad = torch.ones(3, requires_grad=True) * 2
+    assert not bucket.pack(params).requires_grad

@@ -19,6 +19,9 @@ from pyro.infer import SVI, Trace_ELBO
 from torch.distributions import constraints
 
 import pyro_distributed as pd
+from pyro_distributed.exchange.averager import GradientAverager, Reduction
+from pyro_distributed.exchange.overlap import BackwardOverlap
+from pyro_distributed.exchange.sync import GradientSync
 
 from ..harness import CountingEngine, run_workers
 from ..models import param_values, regression_data
@@ -63,7 +66,9 @@ def diagnose(x: torch.Tensor, y: torch.Tensor) -> None:
     pyro.infer.util.zero_grads([p for _, p in pyro.get_param_store().named_parameters()])
 
 
-def train(scenario: str, overlap: bool) -> tuple[dict[str, torch.Tensor], bool]:
+def train(
+    scenario: str, overlap: bool, cap_mb: float = SMALL_CAP_MB
+) -> tuple[dict[str, torch.Tensor], GradientSync]:
     pyro.clear_param_store()
     pyro.set_rng_seed(100 + pd.rank())
     x, y = regression_data(pd.rank(), 16, dim=DIM)
@@ -74,7 +79,7 @@ def train(scenario: str, overlap: bool) -> tuple[dict[str, torch.Tensor], bool]:
     )
     optim = pd.DistributedOptimizer(
         base,
-        bucket_cap_mb=SMALL_CAP_MB,
+        bucket_cap_mb=cap_mb,
         overlap=overlap,
         compression="fp16" if scenario == "fp16" else "none",
     )
@@ -86,14 +91,14 @@ def train(scenario: str, overlap: bool) -> tuple[dict[str, torch.Tensor], bool]:
             diagnose(x, y)
         svi.step(x, y, skipped(scenario, step))
     assert optim.sync is not None and optim.sync.overlaps == overlap
-    armed = optim.sync.overlap_armed
-    return param_values(), armed
+    return param_values(), optim.sync
 
 
-def _both_ways(scenario: str) -> dict[str, Any]:
-    without, _ = train(scenario, overlap=False)
-    with_overlap, armed = train(scenario, overlap=True)
-    return {"without": without, "with": with_overlap, "armed": armed}
+def _both_ways(scenario: str, cap_mb: float = SMALL_CAP_MB) -> dict[str, Any]:
+    without, _ = train(scenario, overlap=False, cap_mb=cap_mb)
+    with_overlap, sync = train(scenario, overlap=True, cap_mb=cap_mb)
+    hooks = len(sync._overlap._hooks) if sync._overlap is not None else None
+    return {"without": without, "with": with_overlap, "armed": sync.overlap_armed, "hooks": hooks}
 
 
 @pytest.mark.parametrize(
@@ -109,6 +114,18 @@ def test_overlap_is_bitwise_equal_to_no_overlap(scenario: str) -> None:
             assert torch.equal(value, results[0]["without"][name]), (scenario, rank, name)
     # The runs really trained: the weights moved from their initial values.
     assert not torch.equal(results[0]["with"]["w00"], torch.full((DIM,), 0.01))
+
+
+@pytest.mark.parametrize("scenario", ["plain", "particles", "differing", "diagnostic"])
+def test_one_bucket_runs_backward_without_hooks_and_bitwise_equal(scenario: str) -> None:
+    # Every parameter fits one bucket, which carries the header at the call:
+    # nothing can leave early, so once armed the hooks are gone.
+    results = run_workers(_both_ways, scenario, 25.0)
+    for rank, result in enumerate(results):
+        assert result["armed"] and result["hooks"] == 0, (scenario, rank)
+        for name, value in result["without"].items():
+            assert torch.equal(result["with"][name], value), (scenario, rank, name)
+            assert torch.equal(value, results[0]["without"][name]), (scenario, rank, name)
 
 
 def _collectives_by_phase(steps: int) -> list[dict[str, list[tuple[str, int]]]]:
@@ -176,3 +193,19 @@ def test_a_collective_between_backward_and_step_does_not_pair_with_a_bucket() ->
     assert results[0]["armed"] and results[1]["armed"]
     for name, value in results[0]["params"].items():
         assert torch.equal(results[1]["params"][name], value), name
+
+
+def test_the_same_tuples_handed_over_again_still_arm() -> None:
+    # The steady state hands the overlap the very same tuples at every step;
+    # the second step must still arm it, as a step with equal new tuples does.
+    engine = pd.current_engine()
+    averager = GradientAverager(engine, 1 << 20, Reduction())
+    overlap = BackwardOverlap(engine, averager)
+    names, params = (
+        ("a", "b"),
+        (torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)),
+    )
+    overlap.after_step(names, params)
+    assert not overlap.armed
+    overlap.after_step(names, params)
+    assert overlap.armed
