@@ -45,7 +45,7 @@ def launch(
     if horovodrun:
         command = [
             str(BIN / "horovodrun"), "--gloo", "-np", str(workers), "-H", f"localhost:{workers}",
-            *command, "--devices", "1", "--engine", "horovod",
+            *command,
         ]  # fmt: skip
     if torchrun:
         command = [
@@ -198,7 +198,8 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path: Path) -> None:
 def test_the_strategy_on_horovod_under_horovodrun(tmp_path: Path) -> None:
     # Lightning 2 has no Horovod strategy; this is one: no torch process group,
     # every collective (gradients, logging, prediction) on Horovod.
-    records = fit(tmp_path, "--plan", "auto", "--epochs", "2", horovodrun=True)
+    options = ["--plan", "auto", "--epochs", "2", "--engine", "horovod"]
+    records = fit(tmp_path, *options, horovodrun=True)
     assert [r["rank"] for r in records] == [0, 1]
     assert all(r["world_size"] == 2 and r["engine_world_size"] == 2 for r in records)
     assert_in_sync(records)
@@ -206,6 +207,26 @@ def test_the_strategy_on_horovod_under_horovodrun(tmp_path: Path) -> None:
     assert all(r["metrics"]["val_rows"] == N_VAL for r in records)
     assert [r["reduce_sum"] for r in records] == [3.0, 3.0]
     assert records[0]["predictions"] == list(range(N_VAL))
+
+
+@pytest.mark.horovod
+def test_engine_auto_and_devices_under_horovodrun_mean_what_they_mean_elsewhere(
+    tmp_path: Path,
+) -> None:
+    # The same Trainer line as under torchrun and mpiexec (devices=2 for the
+    # two workers horovodrun started, engine="auto"): one model, on Horovod,
+    # never Lightning's own launcher starting more workers inside Horovod's.
+    records = fit(tmp_path, "--plan", "auto", "--epochs", "2", horovodrun=True)
+    assert_a_full_run_on_two_workers(records, "horovod")
+
+
+@pytest.mark.horovod
+def test_devices_that_do_not_count_horovodruns_workers_are_refused(tmp_path: Path) -> None:
+    code, output = launch(tmp_path, "--plan", "auto", "--devices", "1", horovodrun=True)
+    assert code != 0, output
+    assert "horovodrun started 2 worker(s) but the Trainer counts devices=1 x num_nodes=1" in (
+        output
+    )
 
 
 def assert_a_full_run_on_two_workers(records: list[Any], engine: str) -> None:
@@ -251,7 +272,7 @@ def test_devices_that_do_not_count_mpiexecs_workers_are_refused(tmp_path: Path) 
     options = ["--plan", "auto", "--epochs", "1", "--engine", "mpi", "--devices", "1"]
     code, output = launch(tmp_path, *options, mpiexec=True)
     assert code != 0, output
-    assert "the launcher started 2 worker(s) but the Trainer counts devices=1" in output
+    assert "mpiexec started 2 worker(s) but the Trainer counts devices=1" in output
 
 
 @pytest.mark.parametrize("engine", ["local", "mpi-ish"])
