@@ -71,7 +71,12 @@ def shard_loader(
             rows = getattr(inner, "data_source", loader.dataset)
             # The loader is the one the Trainer just asked for; its batch sampler
             # is changed in place, which keeps the loader's class and arguments.
-            sampler.sampler = _share(rows, stage, shuffle=shuffle, seed=seed, by_block=by_block)
+            share = _share(rows, stage, shuffle=shuffle, seed=seed, by_block=by_block)
+            sampler.sampler = share
+            if isinstance(share, ShardSampler):
+                # Lightning calls set_epoch on a loader's sampler, here the batch
+                # sampler, which has none: without this every epoch has one order.
+                setattr(sampler, "set_epoch", share.set_epoch)  # noqa: B010
             return loader
         sampler = inner
     if not _distributed(sampler, engine):
