@@ -64,7 +64,8 @@ def hide_the_svi(plan_cls: Any) -> Any:
     class HiddenSVIPlan(plan_cls):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.hidden = [SVI(self.svi.model, self.svi.guide, pyro.optim.Adam({"lr": 1e-2}), self.svi.loss)]
+            optim = pyro.optim.Adam({"lr": 1e-2})
+            self.hidden = [SVI(self.svi.model, self.svi.guide, optim, self.svi.loss)]
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             args, kwargs = self.module._get_fn_args_from_batch(batch)
@@ -90,6 +91,7 @@ def full_data_loss(model: Any, adata: Any) -> float:
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     import scvi
+
     from pyro_distributed.lightning import PyroDistributedStrategy
 
     scvi.settings.seed = args.seed
