@@ -10,8 +10,6 @@ if a package is missing.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from ..harness import free_port
+from ..harness import run_script
 
 pytestmark = pytest.mark.integrations
 
@@ -30,16 +28,7 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_scvi.py"
 def launch(out: Path, *options: str, devices: int = 2, timeout: float = 900) -> tuple[int, str]:
     """Run the script on ``devices`` workers; its exit code and the end of its output."""
     command = [sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(devices), *options]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
-        "MASTER_PORT": str(free_port()),  # Lightning's launcher takes its port from here
-    }
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
-    )
-    return done.returncode, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return run_script(command, ROOT, timeout)
 
 
 def train(out: Path, *options: str, devices: int = 2) -> list[dict[str, Any]]:

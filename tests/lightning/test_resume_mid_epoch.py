@@ -10,8 +10,6 @@ states again at that batch.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,20 +17,16 @@ from typing import Any
 import pytest
 import torch
 
-from ..harness import free_port
+from ..harness import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "resume_mid_epoch.py"
 
 
 def run(out: Path, *options: str) -> list[dict[str, Any]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env["MASTER_PORT"] = str(free_port())
     command = [sys.executable, str(SCRIPT), "--out", str(out), *options]
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT, check=False
-    )
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    code, output = run_script(command, ROOT, timeout=900)
+    assert code == 0, f"exit {code}\n{output}"
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 

@@ -8,7 +8,6 @@ these tests fail at import, they are not skipped.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import lightning.pytorch  # noqa: F401 (a missing Lightning fails the run here)
 import pytest
 import torch
 
-from ..harness import free_port
+from ..harness import free_port, run_script
 from .scripts.fit_regression import N_TEST, N_VAL, SIGMA, N, make_data
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,16 +53,7 @@ def launch(
         ]  # fmt: skip
     if mpiexec:
         command = [str(BIN / "mpiexec"), "-n", str(workers), *command]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
-        "MASTER_PORT": str(free_port()),  # Lightning's launcher takes its port from here
-    }
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
-    )
-    return done.returncode, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return run_script(command, ROOT, timeout)
 
 
 def fit(tmp_path: Path, *options: str, workers: int = 2, **launcher: Any) -> list[Any]:

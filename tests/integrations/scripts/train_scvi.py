@@ -76,11 +76,13 @@ def hide_the_svi(plan_cls: Any) -> Any:
     return HiddenSVIPlan
 
 
-def full_data_loss(model: Any, adata: Any) -> float:
-    """The ELBO loss of the trained model and guide on every row (20 particles, seeded)."""
+def full_data_loss(model: Any) -> float:
+    """The ELBO loss of the trained model and guide on every training row (20
+    particles, seeded): the plates are sized for the training set."""
     from scvi.dataloaders import AnnDataLoader
 
-    loader = AnnDataLoader(model.adata_manager, shuffle=False, batch_size=adata.n_obs)
+    rows = model.train_indices
+    loader = AnnDataLoader(model.adata_manager, indices=rows, shuffle=False, batch_size=len(rows))
     batch = next(iter(loader))
     args, kwargs = model.module._get_fn_args_from_batch(batch)
     pyro.set_rng_seed(1234)
@@ -147,7 +149,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "params": {name: store.get_state()["params"][name].detach().clone() for name in store},
         "rows": rows.epochs,
         "n_train": len(model.train_indices),
-        "loss": full_data_loss(model, adata),
+        "loss": full_data_loss(model),
     }
 
 
