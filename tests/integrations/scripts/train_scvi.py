@@ -65,7 +65,7 @@ def hide_the_svi(plan_cls: Any) -> Any:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             optim = pyro.optim.Adam({"lr": 1e-2})
-            self.hidden = [SVI(self.svi.model, self.svi.guide, optim, self.svi.loss)]
+            self.hidden = [SVI(self.svi.model, self.svi.guide, optim, self.loss_fn)]
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             args, kwargs = self.module._get_fn_args_from_batch(batch)
