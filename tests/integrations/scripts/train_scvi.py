@@ -85,6 +85,10 @@ def full_data_loss(model: Any) -> float:
     loader = AnnDataLoader(model.adata_manager, indices=rows, shuffle=False, batch_size=len(rows))
     batch = next(iter(loader))
     args, kwargs = model.module._get_fn_args_from_batch(batch)
+    # In training mode, BatchNorm layers (AmortizedLDA's encoder) normalise by
+    # this batch's statistics, so the loss depends on the parameters alone, not
+    # on running statistics, which each worker gathers from its own batches.
+    model.module.train()
     pyro.set_rng_seed(1234)
     elbo = pyro.infer.Trace_ELBO(num_particles=20, vectorize_particles=False)
     with torch.no_grad():
