@@ -44,7 +44,8 @@ def epochs_of_rows(stage: RunningStage) -> list[list[int]]:
     assert isinstance(loader, DataLoader)
     rows = []
     for epoch in range(2):
-        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined] (as Lightning calls it)
+        if stage == RunningStage.TRAINING:  # as Lightning calls it; evaluation has no epochs
+            loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
         batches = [batch[0].tolist() for batch in loader]
         assert all(len(batch) <= 8 for batch in batches)
         rows.append([row for batch in batches for row in batch])
