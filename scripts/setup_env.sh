@@ -22,6 +22,10 @@
 # are pinned too, to the versions CI tests:
 #   PYRO_DISTRIBUTED_MPI4PY       mpi4py's version (default 4.1.2)
 #   PYRO_DISTRIBUTED_MPICH        the mpich wheel's version (default 5.0.2)
+# With the "lightning" or "integrations" extra, Lightning is pinned to one release
+# of the extra's range:
+#   PYRO_DISTRIBUTED_LIGHTNING    its version (default 2.6.6, the highest tested;
+#                                 scripts/setup_integrations.sh asks for the lowest)
 
 PYRO_DISTRIBUTED_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYRO_DISTRIBUTED_VENV=${PYRO_DISTRIBUTED_VENV:-$PYRO_DISTRIBUTED_ROOT/.venv}
@@ -52,6 +56,10 @@ PYRO_DISTRIBUTED_PINS=("torch==$PYRO_DISTRIBUTED_TORCH")
 case ",$PYRO_DISTRIBUTED_EXTRAS," in
     *,mpi,*) PYRO_DISTRIBUTED_PINS+=("mpi4py==${PYRO_DISTRIBUTED_MPI4PY:-4.1.2}"
                                      "mpich==${PYRO_DISTRIBUTED_MPICH:-5.0.2}") ;;
+esac
+case ",$PYRO_DISTRIBUTED_EXTRAS," in
+    *,lightning,* | *,integrations,*)
+        PYRO_DISTRIBUTED_PINS+=("lightning==${PYRO_DISTRIBUTED_LIGHTNING:-2.6.6}") ;;
 esac
 echo "[setup] installing pyro-distributed[$PYRO_DISTRIBUTED_EXTRAS]"
 # torch==VERSION again, so that the package's torch>=2.1 cannot swap the build

@@ -5,7 +5,9 @@
 # layers, build the documentation site with warnings as errors, build and check
 # the sdist and wheel and import the wheel from a fresh venv, and run every
 # test, the MPI ones under the real mpiexec and Lightning's under its launcher
-# (tests/test_docs.py checks the built site and runs the docs' code blocks).
+# (tests/test_docs.py checks the built site and runs the docs' code blocks);
+# then, in the integrations venv (scripts/setup_integrations.sh), scvi-tools and
+# cell2location trained through the strategy, on the lowest supported Lightning.
 #
 #   bash scripts/test.sh [extra pytest arguments]
 set -euo pipefail
@@ -30,3 +32,12 @@ echo "[test] package"
 bash scripts/check_package.sh
 echo "[test] pytest"
 python -m pytest "$@"
+
+# scvi-tools and cell2location (and jax, ~2 GB) in a venv of their own, with
+# the lowest Lightning the strategy supports: the integration tests, and the
+# Lightning tests again on that Lightning (the main venv has the highest).
+echo "[test] integrations"
+bash scripts/setup_integrations.sh
+INTEGRATIONS_PYTHON=${PYRO_DISTRIBUTED_INTEGRATIONS_VENV:-.venv-integrations}/bin/python
+"$INTEGRATIONS_PYTHON" -m pytest tests/integrations tests/lightning \
+    -m "integrations or not (horovod or mpi)" "$@"

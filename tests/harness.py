@@ -64,6 +64,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def run_script(
+    command: Sequence[str], root: os.PathLike[str] | str, timeout: float
+) -> tuple[int, str]:
+    """Run ``command`` (a script a user would run) with this checkout importable, one
+    thread per process and a free port for Lightning's launcher; its exit code and
+    the end of its output."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(root),
+        "MASTER_PORT": str(free_port()),  # Lightning's launcher takes its port from here
+    }
+    done = subprocess.run(
+        list(command), capture_output=True, text=True, timeout=timeout, env=env, cwd=root,
+        check=False,
+    )  # fmt: skip
+    return done.returncode, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
 def _worker(
     rank: int,
     world_size: int,

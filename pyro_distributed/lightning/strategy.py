@@ -17,7 +17,12 @@ it changes is what DDP does with gradients and data:
   scvi-tools' ``PyroTrainingPlan``) binds to the same engine at its first step.
 * Training steps run inside :func:`~pyro_distributed.shard_subsamples`, with
   local parameters owned by their worker when ``own_local_params=True``.
-* Loaders get this library's samplers (:mod:`pyro_distributed.lightning.data`).
+* Loaders get this library's samplers, also a ``BatchSampler`` passed as
+  the ``sampler`` (scvi-tools' loaders; :mod:`pyro_distributed.lightning.samplers`).
+* An ``SVI`` that the LightningModule steps itself (scvi-tools'
+  ``PyroTrainingPlan``) gets its optimizer wrapped too, and the workers'
+  parameters are compared after the first step and at the end of training
+  (:mod:`pyro_distributed.lightning.plans`).
 * ``self.log(..., sync_dist=True)``, ``reduce``, ``broadcast``, ``all_gather``
   and ``barrier`` run on the engine, and so does ``EarlyStopping``'s decision.
   ``trainer.predict`` returns every worker's predictions, in the data's
@@ -27,6 +32,8 @@ it changes is what DDP does with gradients and data:
   or nothing (:mod:`pyro_distributed.lightning.checkpoints`).
   ``trainer.fit(..., ckpt_path=...)`` at the same world size continues
   bitwise; at another, the blocks are re-partitioned.
+* ``devices`` x ``num_nodes`` counts the workers under every launcher
+  (:mod:`pyro_distributed.lightning.launch`).
 """
 
 from __future__ import annotations
@@ -39,35 +46,34 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
-from torch.utils.data import DataLoader
 
 from .. import runtime
 from ..checks import check_bool
-from ..data.shards import ShardSampler
 from ..data.subsample import shard_subsamples
 from ..engines import ENGINE_NAMES, Engine, engine_class
 from ..errors import PyroDistributedError
 from ..local.sparse import check_local_updates
 from ..optim.torch_optimizer import DistributedTorchOptimizer
-from . import checkpoints, collectives, internals, layer_sync
-from .data import EvaluationSampler, is_plain_sampler
+from . import collectives, internals, launch, layer_sync, plans, samplers
+from .checkpoint_hooks import CheckpointHooks
 
 __all__ = ["PyroDistributedStrategy"]
 
 
-class PyroDistributedStrategy(DDPStrategy):
+class PyroDistributedStrategy(CheckpointHooks):
     """Train a LightningModule data-parallel with this library's optimizers.
 
     :param engine: ``"auto"`` (default: the process group that Lightning or
         the outside launcher made, also under ``mpiexec``, where Lightning's
-        ``MPIEnvironment`` makes it), ``"torch"``, ``"horovod"`` (under
-        ``horovodrun``, ``devices=1`` per process) or ``"mpi"`` (under
-        ``mpiexec``/``mpirun``, ``devices`` x ``num_nodes`` = its ``-n``):
-        those two launchers start every worker, and every collective runs on
-        Horovod or MPI, with no torch process group.
+        ``MPIEnvironment`` makes it; under ``horovodrun``, ``"horovod"``),
+        ``"torch"``, ``"horovod"`` (under ``horovodrun``) or ``"mpi"``
+        (under ``mpiexec``/``mpirun``): those two launchers start every
+        worker, and every collective runs on Horovod or MPI, with no torch
+        process group. Under every launcher, ``devices`` x ``num_nodes``
+        must be the number of workers it started.
     :param own_local_params: keep each per-data-point parameter's rows only
         on the worker that owns them (README, "Local parameters owned by
         their worker"); the training loader then gives each worker its block.
@@ -174,9 +180,9 @@ class PyroDistributedStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self._engine_name = engine
+        self._engine_name = launch.resolve_engine(engine)
         self._engine: Engine | None = None
-        self._resumption: checkpoints.Resumption | None = None
+        self._steps_checked = 0  # training steps so far, until the first sync check
         self.own_local_params = own_local_params
         # Training steps run inside it: one messenger, re-entered at every step.
         self._shards = shard_subsamples(
@@ -220,11 +226,10 @@ class PyroDistributedStrategy(DDPStrategy):
             super().setup_environment()  # calls setup_distributed()
             return
         self._engine = runtime.init(self._engine_name)
-        if not self._engine.one_device_per_process:
-            self._check_devices(self._engine.world_size)
+        self._check_devices(self._engine.world_size)
+        # Ranks from the engine, so that each worker takes its own device.
+        self.cluster_environment = launch.LauncherEnvironment(self._engine, self.num_processes)
         super(DDPStrategy, self).setup_environment()  # the device alone
-        self.cluster_environment.set_world_size(self._engine.world_size)
-        self.cluster_environment.set_global_rank(self._engine.rank)
         internals.set_rank_zero(self._engine.rank)
         self._check_world_size()
 
@@ -236,23 +241,14 @@ class PyroDistributedStrategy(DDPStrategy):
         atexit.register(collectives.leave_together, self._engine)
 
     def _check_devices(self, workers: int) -> None:
-        """Refuse Trainer arguments that count other workers than the outside launcher started."""
-        if self.num_nodes * self.num_processes != workers:
-            raise PyroDistributedError(
-                f"PyroDistributedStrategy: the launcher started {workers} worker(s) but the "
-                f"Trainer counts devices={self.num_processes} x num_nodes={self.num_nodes}; "
-                f"give it devices= (workers per machine) and num_nodes= that match"
-            )
+        launcher = {"horovod": "horovodrun", "mpi": "mpiexec"}.get(
+            self._engine_name, "the launcher"
+        )
+        launch.check_devices(self.num_nodes, self.num_processes, workers, launcher)
 
     def _check_world_size(self) -> None:
         assert self._engine is not None
-        if self._engine.world_size != self.world_size:
-            raise PyroDistributedError(
-                f"PyroDistributedStrategy: Lightning counts {self.world_size} worker(s) "
-                f"(devices x num_nodes) but the {self._engine.name!r} engine has "
-                f"{self._engine.world_size}; give the Trainer devices= and num_nodes= "
-                f"that match the launcher"
-            )
+        launch.check_world_size(self._engine, self.world_size)
 
     # -- the module and the optimizers: no DDP wrapper
 
@@ -272,6 +268,30 @@ class PyroDistributedStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             internals.optimizers_to_device(self.optimizers, self.root_device)
+
+    def on_train_start(self) -> None:
+        """Wrap the optimizer of every ``SVI`` the module holds (:mod:`.plans`)."""
+        super().on_train_start()
+        assert self.lightning_module is not None
+        plans.distribute_svi_optimizers(self.lightning_module, self.engine, self._optimizer_options)
+        self._steps_checked = 0
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """After the first step, check that the workers' parameters agree; on the
+        first batch of a run resumed mid-epoch, restore the checkpoint's RNG states."""
+        super().on_train_batch_start(batch, batch_idx)
+        self._restore_rng_mid_epoch(batch_idx)
+        self._steps_checked += 1
+        if self._steps_checked == 2:
+            self._check_in_sync("after the first training step")
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._check_in_sync("when training ended")
+
+    def _check_in_sync(self, when: str) -> None:
+        assert self.lightning_module is not None
+        plans.check_in_sync(self.lightning_module, self.engine, when)
 
     def configure_ddp(self) -> None:
         """Nothing to wrap: gradients are averaged by the optimizers."""
@@ -302,24 +322,13 @@ class PyroDistributedStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """The training loader with :class:`~pyro_distributed.ShardSampler`,
         evaluation and prediction loaders with
-        :class:`~pyro_distributed.lightning.data.EvaluationSampler`; loaders
-        whose sampler is already distributed (or custom) are left alone."""
-        if not isinstance(dataloader, DataLoader) or self.engine.world_size == 1:
-            return dataloader
-        if not is_plain_sampler(dataloader.sampler):
-            return dataloader
+        :class:`~pyro_distributed.lightning.data.EvaluationSampler`
+        (:func:`.samplers.shard_loader`)."""
         stage = self.lightning_module.trainer.state.stage if self.lightning_module else None
-        dataset = dataloader.dataset
-        if stage == RunningStage.TRAINING:
-            sampler: Any = ShardSampler(
-                dataset,  # type: ignore[arg-type]
-                shuffle=self.shuffle,
-                seed=self.seed,
-                by_block=self.own_local_params,
-            )
-        else:
-            sampler = EvaluationSampler(dataset)  # type: ignore[arg-type]
-        return internals.with_sampler(dataloader, sampler, stage)
+        return samplers.shard_loader(
+            dataloader, self.engine, stage,
+            shuffle=self.shuffle, seed=self.seed, by_block=self.own_local_params,
+        )  # fmt: skip
 
     # -- collectives on the engine: lightning/collectives.py
 
@@ -350,41 +359,6 @@ class PyroDistributedStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module else None
         if trainer is not None:
             collectives.gather_predictions(self.engine, trainer.predict_loop)
-
-    # -- checkpoints, local blocks included: lightning/checkpoints.py
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        """Lightning's checkpoint with every worker's RNG states and blocks of local
-        parameters, all or nothing (a collective; see :func:`checkpoints.save`)."""
-        assert self.lightning_module is not None
-        checkpoints.save(
-            checkpoint, filepath, engine=self.engine, module=self.lightning_module,
-            optimizers=self.optimizers, checkpoint_io=self.checkpoint_io,
-            storage_options=storage_options,
-        )  # fmt: skip
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            checkpoints.remove(filepath, self.checkpoint_io)  # the file, then its blocks
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        self._resumption = checkpoints.Resumption.of(checkpoint_path)  # where the blocks are
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """The module, this worker's rows of local parameters re-partitioned for
-        this world size, and its RNG states if the world size is the saved one."""
-        assert self.lightning_module is not None
-        state = checkpoints.module_state(checkpoint, self._resumption, self.lightning_module)
-        super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
-        checkpoints.restore_rng(checkpoint, self.engine)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = checkpoints.optimizer_states(checkpoint, self._resumption)
-        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
-        checkpoints.restore_counts(checkpoint, self.optimizers)
 
     # -- registration
 

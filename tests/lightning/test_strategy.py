@@ -8,7 +8,6 @@ these tests fail at import, they are not skipped.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import lightning.pytorch  # noqa: F401 (a missing Lightning fails the run here)
 import pytest
 import torch
 
-from ..harness import free_port
+from ..harness import free_port, run_script
 from .scripts.fit_regression import N_TEST, N_VAL, SIGMA, N, make_data
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +44,7 @@ def launch(
     if horovodrun:
         command = [
             str(BIN / "horovodrun"), "--gloo", "-np", str(workers), "-H", f"localhost:{workers}",
-            *command, "--devices", "1", "--engine", "horovod",
+            *command,
         ]  # fmt: skip
     if torchrun:
         command = [
@@ -54,16 +53,7 @@ def launch(
         ]  # fmt: skip
     if mpiexec:
         command = [str(BIN / "mpiexec"), "-n", str(workers), *command]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
-        "MASTER_PORT": str(free_port()),  # Lightning's launcher takes its port from here
-    }
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
-    )
-    return done.returncode, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return run_script(command, ROOT, timeout)
 
 
 def fit(tmp_path: Path, *options: str, workers: int = 2, **launcher: Any) -> list[Any]:
@@ -198,7 +188,8 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path: Path) -> None:
 def test_the_strategy_on_horovod_under_horovodrun(tmp_path: Path) -> None:
     # Lightning 2 has no Horovod strategy; this is one: no torch process group,
     # every collective (gradients, logging, prediction) on Horovod.
-    records = fit(tmp_path, "--plan", "auto", "--epochs", "2", horovodrun=True)
+    options = ["--plan", "auto", "--epochs", "2", "--engine", "horovod"]
+    records = fit(tmp_path, *options, horovodrun=True)
     assert [r["rank"] for r in records] == [0, 1]
     assert all(r["world_size"] == 2 and r["engine_world_size"] == 2 for r in records)
     assert_in_sync(records)
@@ -206,6 +197,26 @@ def test_the_strategy_on_horovod_under_horovodrun(tmp_path: Path) -> None:
     assert all(r["metrics"]["val_rows"] == N_VAL for r in records)
     assert [r["reduce_sum"] for r in records] == [3.0, 3.0]
     assert records[0]["predictions"] == list(range(N_VAL))
+
+
+@pytest.mark.horovod
+def test_engine_auto_and_devices_under_horovodrun_mean_what_they_mean_elsewhere(
+    tmp_path: Path,
+) -> None:
+    # The same Trainer line as under torchrun and mpiexec (devices=2 for the
+    # two workers horovodrun started, engine="auto"): one model, on Horovod,
+    # never Lightning's own launcher starting more workers inside Horovod's.
+    records = fit(tmp_path, "--plan", "auto", "--epochs", "2", horovodrun=True)
+    assert_a_full_run_on_two_workers(records, "horovod")
+
+
+@pytest.mark.horovod
+def test_devices_that_do_not_count_horovodruns_workers_are_refused(tmp_path: Path) -> None:
+    code, output = launch(tmp_path, "--plan", "auto", "--devices", "1", horovodrun=True)
+    assert code != 0, output
+    assert "horovodrun started 2 worker(s) but the Trainer counts devices=1 x num_nodes=1" in (
+        output
+    )
 
 
 def assert_a_full_run_on_two_workers(records: list[Any], engine: str) -> None:
@@ -251,7 +262,7 @@ def test_devices_that_do_not_count_mpiexecs_workers_are_refused(tmp_path: Path) 
     options = ["--plan", "auto", "--epochs", "1", "--engine", "mpi", "--devices", "1"]
     code, output = launch(tmp_path, *options, mpiexec=True)
     assert code != 0, output
-    assert "the launcher started 2 worker(s) but the Trainer counts devices=1" in output
+    assert "mpiexec started 2 worker(s) but the Trainer counts devices=1" in output
 
 
 @pytest.mark.parametrize("engine", ["local", "mpi-ish"])
