@@ -53,7 +53,7 @@ from ..engines import ENGINE_NAMES, Engine
 from ..errors import PyroDistributedError
 from ..local.sparse import check_local_updates
 from ..optim.torch_optimizer import DistributedTorchOptimizer
-from . import checkpoints, collectives, internals
+from . import anndata, checkpoints, collectives, internals
 from .data import EvaluationSampler, is_plain_sampler
 
 __all__ = ["PyroDistributedStrategy"]
@@ -182,6 +182,7 @@ class PyroDistributedStrategy(DDPStrategy):
         self._engine_name = engine
         self._engine: Engine | None = None
         self._resumption: checkpoints.Resumption | None = None
+        self._observations: int | None = None  # of an scvi-tools splitter taken over
         self.own_local_params = own_local_params
         self.shuffle, self.seed = shuffle, seed
         self._optimizer_options = options
@@ -207,7 +208,15 @@ class PyroDistributedStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         """The device, then the workers: DDP's process group and the engine on it,
         or, with ``engine="horovod"`` or ``"mpi"``, the launcher's workers on
-        that engine and no torch process group."""
+        that engine and no torch process group. With ``own_local_params``, an
+        scvi-tools data splitter then keeps this worker's block of observations
+        (:func:`anndata.take_over_splitter`)."""
+        self._setup_workers()
+        if self.own_local_params and self.lightning_module is not None:
+            datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
+            self._observations = anndata.take_over_splitter(datamodule)
+
+    def _setup_workers(self) -> None:
         assert self.cluster_environment is not None
         if self._engine_name not in _OWN_WORKERS:
             if self.cluster_environment.creates_processes_externally:
@@ -299,6 +308,12 @@ class PyroDistributedStrategy(DDPStrategy):
         with self._sharded():
             return super().training_step(*args, **kwargs)
 
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.own_local_params:  # local rows are read by their block's global indices
+            return super().validation_step(*args, **kwargs)
+        with self._sharded():
+            return super().validation_step(*args, **kwargs)
+
     # -- data: this library's samplers
 
     def process_dataloader(self, dataloader: object) -> object:
@@ -308,9 +323,14 @@ class PyroDistributedStrategy(DDPStrategy):
         whose sampler is already distributed (or custom) are left alone."""
         if not isinstance(dataloader, DataLoader) or self.engine.world_size == 1:
             return dataloader
+        stage = self.lightning_module.trainer.state.stage if self.lightning_module else None
+        owned = self.own_local_params and stage != RunningStage.PREDICTING
+        if owned and anndata.is_batch_sampler_loader(dataloader):  # scvi-tools' loaders
+            return anndata.owned_loader(
+                dataloader, self.engine, size=self._observations, seed=self.seed
+            )
         if not is_plain_sampler(dataloader.sampler):
             return dataloader
-        stage = self.lightning_module.trainer.state.stage if self.lightning_module else None
         dataset = dataloader.dataset
         if stage == RunningStage.TRAINING:
             sampler: Any = ShardSampler(
