@@ -104,11 +104,22 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     scvi.settings.seed = args.seed
     adata, signatures, _ = synthetic_visium(args.spots, args.genes, args.types, seed=args.data_seed)
     Cell2location.setup_anndata(adata, batch_key="sample")
-    model = Cell2location(adata, cell_state_df=signatures, N_cells_per_location=8, detection_alpha=20)
+    guide: dict[str, Any] = {}
+    if args.guide != "AutoNormal":
+        from pyro.infer import autoguide
+
+        guide = {"create_autoguide_kwargs": {"guide_class": getattr(autoguide, args.guide)}}
+    model = Cell2location(
+        adata, cell_state_df=signatures, N_cells_per_location=8, detection_alpha=20, **guide
+    )
     options: dict[str, Any] = {}
     if args.devices > 1 or args.mode != "single":
         owned = args.mode == "owned"
-        options["strategy"] = PyroDistributedStrategy(own_local_params=owned, seed=args.seed)
+        options["strategy"] = PyroDistributedStrategy(
+            own_local_params=owned,
+            local_updates=args.local_updates if owned else "dense",
+            seed=args.seed,
+        )
         options["callbacks"] = [wrap_pyro_optimizer()]
     started = time.perf_counter()
     model.train(
@@ -137,8 +148,8 @@ def _spots_held(model: Any) -> int:
     import pyro
 
     store = pyro.get_param_store()
-    name = next(name for name in store.keys() if name.endswith("locs.w_sf"))
-    return int(store[name].shape[0])
+    name = next(name for name in store if "w_sf" in name and "loc" in name)
+    return int(store[name].shape[-2])
 
 
 def run_one(args: argparse.Namespace) -> None:
@@ -149,6 +160,7 @@ def run_one(args: argparse.Namespace) -> None:
     held = result["spots_held"]
     if rank == 0:
         np.savez(args.out, abundance=result["abundance"], seconds=result["seconds"], held=held)
+    Path(f"{args.out}.held{rank}").write_text(str(held))
     print(f"worker {rank}: holds {held} spots' parameters of {args.spots}", flush=True)
 
 
@@ -159,8 +171,21 @@ def compare(args: argparse.Namespace) -> dict[str, float]:
     runs = {"w1_seed0": (1, 0), "w1_seed1": (1, 1), "w2_owned": (2, 0)}
     results = {}
     for name, (devices, seed) in runs.items():
-        command = [sys.executable, __file__, "--run", "--devices", str(devices), "--seed", str(seed)]
-        command += ["--mode", "owned" if devices > 1 else "single", "--out", str(out / f"{name}.npz")]
+        command = [
+            sys.executable,
+            __file__,
+            "--run",
+            "--devices",
+            str(devices),
+            "--seed",
+            str(seed),
+        ]
+        command += [
+            "--mode",
+            "owned" if devices > 1 else "single",
+            "--out",
+            str(out / f"{name}.npz"),
+        ]
         command += _shared(args)
         subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
         results[name] = np.load(out / f"{name}.npz")
@@ -228,12 +253,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--workdir", default="c2l_runs")
-    parser.add_argument("--figure", action="store_true", help="write docs/cell2location_w1_vs_w2.png")
+    parser.add_argument(
+        "--figure", action="store_true", help="write docs/cell2location_w1_vs_w2.png"
+    )
     parser.add_argument("--run", action="store_true", help="train one configuration")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mode", choices=["single", "owned", "replicated"], default="single")
     parser.add_argument("--out", default="run.npz")
+    parser.add_argument("--guide", default="AutoNormal", help="or AutoNormalMessenger, ...")
+    parser.add_argument("--local-updates", choices=["dense", "sparse"], default="dense")
     return parser.parse_args(argv)
 
 

@@ -30,6 +30,7 @@ and from the ``"ind_x"`` field that models registering the observation index
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -50,13 +51,11 @@ __all__ = ["OwnedBatchSampler", "is_batch_sampler_loader", "owned_loader", "take
 _INDICES_KEY = "ind_x"
 
 
-def _splitter_class() -> type | None:
+def _splitter_class() -> Any:
     """scvi-tools' ``DataSplitter``, if scvi-tools is already imported (never imported here)."""
     if "scvi" not in sys.modules:
         return None
-    from scvi.dataloaders import DataSplitter
-
-    return DataSplitter  # type: ignore[no-any-return]
+    return importlib.import_module("scvi.dataloaders").DataSplitter
 
 
 def take_over_splitter(datamodule: Any) -> int | None:

@@ -105,9 +105,9 @@ def _quantiles(
 
 def _plate_sites(model: Any, block: np.ndarray) -> dict[str, int]:
     """Each site of the observation plate, with the plate's axis in its values,
-    traced on one observation of this worker's block (scvi-tools' own rule)."""
+    traced on a few observations of this worker's block (scvi-tools' own rule)."""
     loader = model._make_data_loader(
-        adata=model.adata, indices=block[:1], shuffle=False, batch_size=1
+        adata=model.adata, indices=block[:16], shuffle=False, batch_size=16
     )
     args, kwargs = model.module._get_fn_args_from_batch(next(iter(loader)))
     with shard_subsamples(own_local_params=True), torch.no_grad():

@@ -53,8 +53,8 @@ from ..engines import ENGINE_NAMES, Engine
 from ..errors import PyroDistributedError
 from ..local.sparse import check_local_updates
 from ..optim.torch_optimizer import DistributedTorchOptimizer
-from . import anndata, checkpoints, collectives, internals
-from .data import EvaluationSampler, is_plain_sampler
+from . import anndata, checkpoints, collectives, internals, pyro_state
+from .data import EvaluationSampler, is_plain_sampler, with_own_generator
 
 __all__ = ["PyroDistributedStrategy"]
 
@@ -183,6 +183,7 @@ class PyroDistributedStrategy(DDPStrategy):
         self._engine: Engine | None = None
         self._resumption: checkpoints.Resumption | None = None
         self._observations: int | None = None  # of an scvi-tools splitter taken over
+        self._pending_rng: Mapping[str, Any] | None = None  # a resumed run's, until its first step
         self.own_local_params = own_local_params
         self.shuffle, self.seed = shuffle, seed
         self._optimizer_options = options
@@ -321,9 +322,17 @@ class PyroDistributedStrategy(DDPStrategy):
         evaluation and prediction loaders with
         :class:`~pyro_distributed.lightning.data.EvaluationSampler`; loaders
         whose sampler is already distributed (or custom) are left alone."""
-        if not isinstance(dataloader, DataLoader) or self.engine.world_size == 1:
+        if not isinstance(dataloader, DataLoader):
             return dataloader
         stage = self.lightning_module.trainer.state.stage if self.lightning_module else None
+        processed = self._with_samplers(dataloader, stage)
+        if stage == RunningStage.TRAINING:
+            with_own_generator(processed, self.seed)
+        return processed
+
+    def _with_samplers(self, dataloader: DataLoader[Any], stage: Any) -> DataLoader[Any]:
+        if self.engine.world_size == 1:
+            return dataloader
         owned = self.own_local_params and stage != RunningStage.PREDICTING
         if owned and anndata.is_batch_sampler_loader(dataloader):  # scvi-tools' loaders
             return anndata.owned_loader(
@@ -398,12 +407,28 @@ class PyroDistributedStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """The module, this worker's rows of local parameters re-partitioned for
         this world size, and its RNG states if the world size is the saved one."""
-        assert self.lightning_module is not None
-        state = checkpoints.module_state(checkpoint, self._resumption, self.lightning_module)
+        module = self.lightning_module
+        assert module is not None
+        if self.own_local_params:  # a Pyro plan's lazily built guide: its parameters, cut
+            pyro_state.create_guide_params(module, getattr(module.trainer, "datamodule", None))
+        state = checkpoints.module_state(checkpoint, self._resumption, module)
         super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
-        checkpoints.restore_rng(checkpoint, self.engine)
+        if module.trainer.state.fn == TrainerFn.FITTING:  # where the resumed run first draws
+            self._pending_rng = checkpoint
+        else:
+            checkpoints.restore_rng(checkpoint, self.engine)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """A resumed run's RNG states, restored where it first draws (README,
+        "Checkpoints"): after the hooks that start training, before its first step."""
+        if self._pending_rng is not None:
+            checkpoints.restore_rng(self._pending_rng, self.engine)
+            self._pending_rng = None
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.lightning_module is not None and self._resumption is not None
+        saved = (checkpoint.get(checkpoints.KEY) or {}).get("pyro_optim") or {}
+        pyro_state.restore_pyro_optimizer(self.lightning_module, saved, self._resumption.rows)
         states = checkpoints.optimizer_states(checkpoint, self._resumption)
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
         checkpoints.restore_counts(checkpoint, self.optimizers)
