@@ -113,6 +113,7 @@ def save(
     pyro_shared, pyro_rows = pyro_state.pyro_optimizer_state(module, local)
     meta = {
         "pyro_optim": pyro_shared,  # a Pyro plan's optimizer (scvi-tools'), rows in the blocks
+        "pyro_optim_steps": pyro_state.pyro_optimizer_steps(module),
         "world_size": engine.world_size,
         "rng": [_loadable(state) for state in files.gather_rng(engine)],
         "shared_rng": shared_generator().get_state(),

@@ -30,6 +30,7 @@ __all__ = [
     "create_guide_params",
     "pyro_optimizer",
     "pyro_optimizer_state",
+    "pyro_optimizer_steps",
     "restore_pyro_optimizer",
 ]
 
@@ -56,11 +57,22 @@ def pyro_optimizer_state(
     return shared, rows
 
 
-def restore_pyro_optimizer(module: Any, shared: dict[str, Any], rows: dict[str, Any]) -> None:
+def pyro_optimizer_steps(module: Any) -> int | None:
+    """The step count of the plan's distributed Pyro optimizer (its drift checks' schedule)."""
+    return getattr(pyro_optimizer(module), "num_steps", None)
+
+
+def restore_pyro_optimizer(
+    module: Any, shared: dict[str, Any], rows: dict[str, Any], steps: int | None
+) -> None:
     """Hand the saved state (``shared`` by param-store name, ``rows`` by module
-    name) to the plan's Pyro optimizer."""
+    name, and the step count) to the plan's Pyro optimizer."""
     optim = pyro_optimizer(module)
-    if optim is None or not (shared or rows):
+    if optim is None:
+        return
+    if steps is not None and hasattr(optim, "num_steps"):
+        optim.num_steps = steps
+    if not (shared or rows):
         return
     local = module_locals(module)
     state = dict(shared)

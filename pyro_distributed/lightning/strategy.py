@@ -427,8 +427,13 @@ class PyroDistributedStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None and self._resumption is not None
-        saved = (checkpoint.get(checkpoints.KEY) or {}).get("pyro_optim") or {}
-        pyro_state.restore_pyro_optimizer(self.lightning_module, saved, self._resumption.rows)
+        saved = checkpoint.get(checkpoints.KEY) or {}
+        pyro_state.restore_pyro_optimizer(
+            self.lightning_module,
+            saved.get("pyro_optim") or {},
+            self._resumption.rows,
+            saved.get("pyro_optim_steps"),
+        )
         states = checkpoints.optimizer_states(checkpoint, self._resumption)
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
         checkpoints.restore_counts(checkpoint, self.optimizers)
