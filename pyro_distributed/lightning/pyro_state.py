@@ -32,6 +32,7 @@ __all__ = [
     "pyro_optimizer_state",
     "pyro_optimizer_steps",
     "restore_pyro_optimizer",
+    "shard_guide_warmups",
 ]
 
 
@@ -94,3 +95,21 @@ def create_guide_params(plan: Any, datamodule: Any) -> None:
     with shard_subsamples(own_local_params=True):
         guide(*args, **kwargs)  # creates the parameters and cuts the local ones
         guide(*args, **kwargs)  # a PyroModule takes the cut tensors from the param store
+
+
+def shard_guide_warmups(callbacks: list[Any]) -> None:
+    """Run scvi-tools' guide warm-up callbacks (``PyroJitGuideWarmup``, which
+    calls the guide on one training batch as training starts) under
+    ``shard_subsamples(own_local_params=True)``: the batch is from this worker's
+    block, and local parameters, once cut, exist only as the block's rows."""
+    for callback in callbacks:
+        if not type(callback).__module__.startswith("scvi.") or getattr(callback, "_pd", False):
+            continue
+        hook = callback.on_train_start
+
+        def on_train_start(trainer: Any, module: Any, hook: Any = hook) -> None:
+            with shard_subsamples(own_local_params=True):
+                hook(trainer, module)
+
+        callback.on_train_start = on_train_start
+        callback._pd = True

@@ -269,6 +269,8 @@ class PyroDistributedStrategy(DDPStrategy):
         self.model_to_device()
         collectives.broadcast_module(self.engine, self.model)
         internals.disable_sampler_injection(trainer)
+        if self.own_local_params:
+            pyro_state.shard_guide_warmups(trainer.callbacks)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)

@@ -26,7 +26,9 @@ import pyro_distributed as pd
 from pyro_distributed.lightning import PyroDistributedStrategy
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("example", ROOT / "examples/cell2location_spatial.py")
+_spec = importlib.util.spec_from_file_location(
+    "example", ROOT / "examples/cell2location_spatial.py"
+)
 assert _spec is not None and _spec.loader is not None
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
@@ -35,7 +37,10 @@ _spec.loader.exec_module(example)
 def snapshot(plan: Any) -> dict[str, Any]:
     """Every parameter: the global indices of this worker's rows, their values,
     and the Pyro optimizer's state of it."""
-    optim_state = plan.svi.optim.get_state()
+    optim = plan.svi.optim
+    # State handed back by a restore waits in the optimizer until each parameter's next step.
+    waiting = getattr(getattr(optim, "wrapped", optim), "_state_waiting_to_be_consumed", {})
+    optim_state = {**waiting, **optim.get_state()}
     taken = {}
     for name in pyro.get_param_store():
         indices, value = pd.local_rows(name)
@@ -70,7 +75,9 @@ def main() -> None:
     scvi.settings.seed = 0
     adata, signatures, _ = example.synthetic_visium(args.spots, 60, 6, seed=0)
     Cell2location.setup_anndata(adata, batch_key="sample")
-    model = Cell2location(adata, cell_state_df=signatures, N_cells_per_location=8, detection_alpha=20)
+    model = Cell2location(
+        adata, cell_state_df=signatures, N_cells_per_location=8, detection_alpha=20
+    )
     callbacks = [example.wrap_pyro_optimizer()]
     if args.save_at is not None:
         callbacks.append(SaveAt(args.save_at, out, out / f"{args.tag}-at-save"))
