@@ -75,12 +75,16 @@ def worker(args: argparse.Namespace) -> None:
     genes = [f"gene{g}" for g in range(saved["counts"].shape[1])]
     adata = anndata.AnnData(
         X=saved["counts"],
-        obs=pandas.DataFrame({"sample": "s1"}, index=[f"s{i}" for i in range(len(saved["counts"]))]),
+        obs=pandas.DataFrame(
+            {"sample": "s1"}, index=[f"s{i}" for i in range(len(saved["counts"]))]
+        ),
         var=pandas.DataFrame(index=genes),
     )
     signatures = pandas.DataFrame(saved["signatures"], index=genes)
     Cell2location.setup_anndata(adata, batch_key="sample")
-    model = Cell2location(adata, cell_state_df=signatures, N_cells_per_location=8, detection_alpha=20)
+    model = Cell2location(
+        adata, cell_state_df=signatures, N_cells_per_location=8, detection_alpha=20
+    )
     epochs: list[float] = []
 
     class Clock(pl.Callback):

@@ -134,7 +134,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     )
     seconds = time.perf_counter() - started
     held = _spots_held(model)
-    if "strategy" in options:
+    if args.mode == "owned":  # each worker summarises its own spots
         with owned_posterior(model):
             model.export_posterior(adata, use_quantiles=True, add_to_obsm=["q50"])
     else:

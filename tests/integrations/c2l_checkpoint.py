@@ -43,8 +43,15 @@ def snapshot(plan: Any) -> dict[str, Any]:
     optim_state = {**waiting, **optim.get_state()}
     taken = {}
     for name in pyro.get_param_store():
-        indices, value = pd.local_rows(name)
-        taken[name] = {"indices": indices, "value": value.clone(), "optim": optim_state.get(name)}
+        indices, _ = pd.local_rows(name)
+        # The unconstrained values are what is stored and restored: a constraint's
+        # transform may round a row differently in a tensor of another length.
+        unconstrained = pyro.get_param_store()[name].unconstrained()
+        taken[name] = {
+            "indices": indices,
+            "value": unconstrained.detach().clone(),
+            "optim": optim_state.get(name),
+        }
     return taken
 
 
