@@ -17,7 +17,8 @@ the table gives the median epoch after the first. Run::
 
     python benchmarks/bench_cell2location.py --spots 10000 100000
 
-and it writes ``benchmarks/cell2location.json`` and ``benchmarks/CELL2LOCATION.md``.
+and it prints the table and writes ``benchmarks/cell2location.json``
+(``--results`` elsewhere; ``--merge A.json B.json`` joins several runs).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-CONFIGS = {"W=1": (1, "single"), "W=2 replicated": (2, "replicated"), "W=2 owned": (2, "owned")}
+CONFIGS = {"W=1": (1, "single"), "W=2 owned": (2, "owned"), "W=2 replicated": (2, "replicated")}
 
 
 def _example() -> Any:
@@ -127,7 +128,7 @@ def drive(args: argparse.Namespace) -> None:
         data = workdir / f"data{spots}.npz"
         np.savez(data, counts=adata.X, signatures=signatures.to_numpy())
         del adata
-        epochs = args.epochs if spots < 50_000 else max(args.epochs // 2, 3)
+        epochs = args.epochs
         for name, (devices, mode) in CONFIGS.items():
             out = workdir / f"{spots}_{mode}_{devices}"
             command = [sys.executable, __file__, "--worker", "--data", str(data), "--out", str(out)]
@@ -138,8 +139,18 @@ def drive(args: argparse.Namespace) -> None:
             reports = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(devices)]
             results[f"{spots} {name}"] = _summary(reports)
             print(spots, name, results[f"{spots} {name}"], flush=True)
+    target = Path(args.results) if args.results else HERE / "cell2location.json"
+    target.write_text(json.dumps(results, indent=1))
+    print(table(results))
+
+
+def merge(paths: list[str]) -> None:
+    """Join the results of several runs (``--results``) into one table."""
+    results: dict[str, Any] = {}
+    for path in paths:
+        results.update(json.loads(Path(path).read_text()))
     (HERE / "cell2location.json").write_text(json.dumps(results, indent=1))
-    _table(results, args)
+    print(table(results))
 
 
 def _summary(reports: list[dict[str, Any]]) -> dict[str, float]:
@@ -152,7 +163,8 @@ def _summary(reports: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def _table(results: dict[str, Any], args: argparse.Namespace) -> None:
+def table(results: dict[str, Any]) -> str:
+    """The Markdown table of ``results``, each row against W=1 at the same N."""
     lines = [
         "| spots | configuration | peak RSS per worker (MB) | x W=1 | RSS before train (MB) "
         "| training's own (MB) | x W=1 | time per epoch (s) | x W=1 |",
@@ -169,8 +181,7 @@ def _table(results: dict[str, Any], args: argparse.Namespace) -> None:
             f"{own:.0f} | {own / base_own:.2f} | {row['epoch_s']:.2f} | "
             f"{row['epoch_s'] / base['epoch_s']:.2f} |"
         )
-    (HERE / "CELL2LOCATION.table.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -181,13 +192,17 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--workdir", default="/tmp/bench_cell2location")
+    parser.add_argument("--results", help="where the driver writes its JSON")
+    parser.add_argument("--merge", nargs="+", help="print one table of these result files")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--data")
     parser.add_argument("--out")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--mode", default="single")
     args = parser.parse_args()
-    if args.worker:
+    if args.merge:
+        merge(args.merge)
+    elif args.worker:
         worker(args)
     else:
         drive(args)
