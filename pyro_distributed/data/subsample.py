@@ -245,7 +245,10 @@ class shard_subsamples(Messenger):
         )
         known = registry.local_param(name)
         if frame is None or event_dim is None or frame.dim is None:
-            if known is not None and self.own_local_params:
+            # A plain read inside the plate, pyro.param(name) (a PyroModule's,
+            # after it set a PyroParam there), gets the stored rows: the block.
+            reading = frame is not None and len(msg["args"]) == 1
+            if known is not None and self.own_local_params and not reading:
                 raise ValueError(
                     f"local parameter {name!r} of plate {known.plate!r} is used outside "
                     f"that plate; a parameter is either local to one plate or global"

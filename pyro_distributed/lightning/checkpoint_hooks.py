@@ -5,17 +5,19 @@ to :mod:`pyro_distributed.lightning.checkpoints`, which writes every worker's
 RNG states and blocks of local parameters beside Lightning's file, and puts
 them back on resume.
 
-The RNG states are restored twice on a resumed run. First when the module is
-restored (:meth:`CheckpointHooks.load_model_state_dict`), for what draws
-before the first batch: at an epoch's end, the next epoch's DataLoader
-iterator takes its base seed from the global RNG, in the resumed run as in
-the uninterrupted one. Then, if the run resumes mid-epoch, again at the
-first resumed batch (:meth:`CheckpointHooks._restore_rng_mid_epoch`, from the
-strategy's ``on_train_batch_start``): the states were saved at the end of
-the batch before, and since then the resumed run made a new iterator, which
-drew from them, where the uninterrupted run went on with its old one. Draws
-made in the hooks that Lightning calls before the strategy's
-``on_train_batch_start`` (callbacks' and the module's) are not covered.
+A resumed fit restores the RNG states where the resumed run first draws for
+training: at its first batch (:meth:`CheckpointHooks._restore_rng_at_first_batch`,
+from the strategy's ``on_train_batch_start``), not when the checkpoint is
+loaded. Between the two, the resumed run does what the uninterrupted one did
+not: it starts a new DataLoader iterator (at an epoch's start or mid-epoch)
+and runs the hooks that start training (scvi-tools' guide warm-up draws
+from the global RNG). Training loaders get a generator of their own
+(:func:`~pyro_distributed.lightning.data.with_own_generator`), so an
+iterator's base seed is never drawn from the global RNG, in either run.
+Draws made in the hooks that Lightning calls before the strategy's
+``on_train_batch_start`` (callbacks' and the module's, on that batch) are
+not covered. Outside a fit (``validate``, ``predict``) the states are
+restored when the checkpoint is loaded.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 
 from ..engines import Engine
-from . import checkpoints
+from . import checkpoints, pyro_state
 
 __all__ = ["CheckpointHooks"]
 
@@ -35,7 +38,8 @@ class CheckpointHooks(DDPStrategy):
     """DDP's strategy with checkpoints that hold every worker's part (a base class)."""
 
     _resumption: checkpoints.Resumption | None = None
-    _resumed_rng: Mapping[str, Any] | None = None  # restored again mid-epoch
+    _resumed_rng: Mapping[str, Any] | None = None  # restored at the first training batch
+    own_local_params: bool = False  # the strategy's
 
     @property
     def engine(self) -> Engine:
@@ -67,21 +71,33 @@ class CheckpointHooks(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """The module, this worker's rows of local parameters re-partitioned for
         this world size, and its RNG states if the world size is the saved one."""
-        assert self.lightning_module is not None
-        state = checkpoints.module_state(checkpoint, self._resumption, self.lightning_module)
+        module = self.lightning_module
+        assert module is not None
+        if self.own_local_params:  # a Pyro plan's lazily built guide: its parameters, cut
+            pyro_state.create_guide_params(module, getattr(module.trainer, "datamodule", None))
+        state = checkpoints.module_state(checkpoint, self._resumption, module)
         super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
-        checkpoints.restore_rng(checkpoint, self.engine)
-        self._resumed_rng = {checkpoints.KEY: checkpoint.get(checkpoints.KEY)}
+        if module.trainer.state.fn == TrainerFn.FITTING:  # where the resumed run first draws
+            self._resumed_rng = {checkpoints.KEY: checkpoint.get(checkpoints.KEY)}
+        else:
+            checkpoints.restore_rng(checkpoint, self.engine)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.lightning_module is not None and self._resumption is not None
+        saved = checkpoint.get(checkpoints.KEY) or {}
+        pyro_state.restore_pyro_optimizer(  # a Pyro plan's optimizer (scvi-tools')
+            self.lightning_module,
+            saved.get("pyro_optim") or {},
+            self._resumption.rows,
+            saved.get("pyro_optim_steps"),
+        )
         states = checkpoints.optimizer_states(checkpoint, self._resumption)
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
         checkpoints.restore_counts(checkpoint, self.optimizers)
 
-    def _restore_rng_mid_epoch(self, batch_idx: int) -> None:
-        """On the first batch after a restore, the checkpoint's RNG states again if
-        the run resumed mid-epoch (``batch_idx > 0``; see the module's docstring)."""
+    def _restore_rng_at_first_batch(self) -> None:
+        """On the first training batch after a restore, the checkpoint's RNG states
+        (see the module's docstring)."""
         if self._resumed_rng is not None:
-            if batch_idx > 0:
-                checkpoints.restore_rng(self._resumed_rng, self.engine)
+            checkpoints.restore_rng(self._resumed_rng, self.engine)
             self._resumed_rng = None

@@ -49,6 +49,7 @@ from ..errors import PyroDistributedError
 from ..local.blocks import remove_blocks, write_atomically
 from ..local.registry import local_params
 from ..seeding import shared_generator
+from . import pyro_state
 from .resume import (
     KEY,
     Resumption,
@@ -105,7 +106,10 @@ def save(
     signature = (described, outside)
     shared = engine.allgather_object((signature, problem))
     _refuse(filepath, shared, local, places, target, checkpoint_io)
+    pyro_shared, pyro_rows = pyro_state.pyro_optimizer_state(module, local)
     meta = {
+        "pyro_optim": pyro_shared,  # a Pyro plan's optimizer (scvi-tools'), rows in the blocks
+        "pyro_optim_steps": pyro_state.pyro_optimizer_steps(module),
         "world_size": engine.world_size,
         "rng": [rng_for_file(state) for state in files.gather_rng(engine)],
         "shared_rng": shared_generator().get_state(),
@@ -124,6 +128,8 @@ def save(
             optimizer_state = optimizers[places[name][0]].state
             if held.param in optimizer_state:
                 optimizer_rows[name] = dict(optimizer_state[held.param])
+        elif name in pyro_rows:
+            optimizer_rows[name] = pyro_rows[name]
 
     def state(local_meta: dict[str, Any] | None) -> dict[str, Any]:
         if local_meta is not None:

@@ -20,12 +20,24 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
+from .. import runtime
 from ..data.shards import ShardSampler
 from ..partition import block_range
+from ..seeding import derived_seed
 
-__all__ = ["EvaluationSampler", "IndexedDataset", "is_plain_sampler"]
+__all__ = ["EvaluationSampler", "IndexedDataset", "is_plain_sampler", "with_own_generator"]
+
+# Names the training loaders' generators among the derived seeds.
+_LOADER_STREAM = 0x10AD
 
 
 class IndexedDataset(Dataset[tuple[Any, ...]]):
@@ -96,3 +108,13 @@ def is_plain_sampler(sampler: object) -> bool:
     if isinstance(sampler, (DistributedSampler, ShardSampler, EvaluationSampler)):
         return False
     return type(sampler) in (RandomSampler, SequentialSampler)
+
+
+def with_own_generator(loader: DataLoader[Any], seed: int) -> None:
+    """Give ``loader`` a generator of its own if it has none, so that starting
+    an iterator (which draws the base seed of its worker processes) never
+    draws from the global RNG: a resumed run restores that RNG just before its
+    first step, and the step then draws what the uninterrupted run's did."""
+    if loader.generator is None:
+        stream = derived_seed(seed, runtime.rank(), _LOADER_STREAM)
+        loader.generator = torch.Generator().manual_seed(stream)

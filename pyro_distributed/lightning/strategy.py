@@ -46,9 +46,10 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
+from torch.utils.data import DataLoader
 
 from .. import runtime
 from ..checks import check_bool
@@ -57,8 +58,9 @@ from ..engines import ENGINE_NAMES, Engine, engine_class
 from ..errors import PyroDistributedError
 from ..local.sparse import check_local_updates
 from ..optim.torch_optimizer import DistributedTorchOptimizer
-from . import collectives, internals, launch, layer_sync, plans, samplers
+from . import anndata, collectives, internals, launch, layer_sync, plans, pyro_state, samplers
 from .checkpoint_hooks import CheckpointHooks
+from .data import with_own_generator
 
 __all__ = ["PyroDistributedStrategy"]
 
@@ -183,6 +185,7 @@ class PyroDistributedStrategy(CheckpointHooks):
         self._engine_name = launch.resolve_engine(engine)
         self._engine: Engine | None = None
         self._steps_checked = 0  # training steps so far, until the first sync check
+        self._observations: int | None = None  # of an scvi-tools splitter taken over
         self.own_local_params = own_local_params
         # Training steps run inside it: one messenger, re-entered at every step.
         self._shards = shard_subsamples(
@@ -218,7 +221,15 @@ class PyroDistributedStrategy(CheckpointHooks):
     def setup_environment(self) -> None:
         """The device, then the workers: DDP's process group and the engine on it,
         or, with ``engine="horovod"`` or ``"mpi"``, the launcher's workers on
-        that engine and no torch process group."""
+        that engine and no torch process group. With ``own_local_params``, an
+        scvi-tools data splitter then keeps this worker's block of observations
+        (:func:`anndata.take_over_splitter`)."""
+        self._setup_workers()
+        if self.own_local_params and self.lightning_module is not None:
+            datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
+            self._observations = anndata.take_over_splitter(datamodule)
+
+    def _setup_workers(self) -> None:
         assert self.cluster_environment is not None
         if not self._launcher_starts_workers:
             if self.cluster_environment.creates_processes_externally:
@@ -263,6 +274,8 @@ class PyroDistributedStrategy(CheckpointHooks):
         self.model_to_device()
         collectives.broadcast_module(self.engine, self.model)
         internals.disable_sampler_injection(trainer)
+        if self.own_local_params:
+            pyro_state.shard_guide_warmups(trainer.callbacks)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -278,9 +291,9 @@ class PyroDistributedStrategy(CheckpointHooks):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """After the first step, check that the workers' parameters agree; on the
-        first batch of a run resumed mid-epoch, restore the checkpoint's RNG states."""
+        first batch of a resumed run, restore the checkpoint's RNG states."""
         super().on_train_batch_start(batch, batch_idx)
-        self._restore_rng_mid_epoch(batch_idx)
+        self._restore_rng_at_first_batch()
         self._steps_checked += 1
         if self._steps_checked == 2:
             self._check_in_sync("after the first training step")
@@ -317,18 +330,37 @@ class PyroDistributedStrategy(CheckpointHooks):
         with self._shards:
             return super().training_step(*args, **kwargs)
 
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.own_local_params:  # local rows are read by their block's global indices
+            return super().validation_step(*args, **kwargs)
+        with self._shards:
+            return super().validation_step(*args, **kwargs)
+
     # -- data: this library's samplers
 
     def process_dataloader(self, dataloader: object) -> object:
         """The training loader with :class:`~pyro_distributed.ShardSampler`,
         evaluation and prediction loaders with
         :class:`~pyro_distributed.lightning.data.EvaluationSampler`
-        (:func:`.samplers.shard_loader`)."""
+        (:func:`.samplers.shard_loader`); with ``own_local_params``, scvi-tools'
+        loaders keep this worker's block (:func:`.anndata.owned_loader`). A
+        training loader gets a generator of its own (see ``CheckpointHooks``)."""
+        if not isinstance(dataloader, DataLoader):
+            return dataloader
         stage = self.lightning_module.trainer.state.stage if self.lightning_module else None
-        return samplers.shard_loader(
-            dataloader, self.engine, stage,
-            shuffle=self.shuffle, seed=self.seed, by_block=self.own_local_params,
-        )  # fmt: skip
+        owned = self.own_local_params and stage != RunningStage.PREDICTING
+        if owned and self.engine.world_size > 1 and anndata.is_batch_sampler_loader(dataloader):
+            processed: Any = anndata.owned_loader(
+                dataloader, self.engine, size=self._observations, seed=self.seed
+            )
+        else:
+            processed = samplers.shard_loader(
+                dataloader, self.engine, stage,
+                shuffle=self.shuffle, seed=self.seed, by_block=self.own_local_params,
+            )  # fmt: skip
+        if stage == RunningStage.TRAINING:
+            with_own_generator(processed, self.seed)
+        return processed
 
     # -- collectives on the engine: lightning/collectives.py
 

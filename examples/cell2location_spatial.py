@@ -1,0 +1,257 @@
+"""cell2location on synthetic Visium-like data, each worker owning its block of spots.
+
+cell2location keeps variational parameters per spot (cell abundances ``w_sf``
+and a few more). With ``PyroDistributedStrategy(own_local_params=True)``
+each of W workers loads its N/W spots only, keeps their parameters only, and
+averages the per-gene parameters' gradients with the others; cell2location's
+own ``model.train()`` and ``export_posterior`` are used unchanged.
+
+Run it as a plain script: it trains at W=1 with two seeds (the noise between
+two equally good answers), at W=2 with owned spots, compares the cell
+abundances, and draws ``docs/cell2location_w1_vs_w2.png``::
+
+    python examples/cell2location_spatial.py --spots 2000 --epochs 400
+
+``--run`` trains one configuration (Lightning's launcher re-runs the script
+once per extra worker) and writes its abundances to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def synthetic_visium(
+    n_spots: int, n_genes: int, n_types: int, seed: int = 0
+) -> tuple[Any, Any, np.ndarray]:
+    """Counts of ``n_spots`` spots on a grid, each a mix of a few cell types whose
+    abundances vary smoothly in space, with per-type signatures of ``n_genes``.
+
+    Returns ``(adata, signatures, true_abundance)``: the AnnData (counts in
+    ``X``, one sample ``"s1"`` in ``obs["sample"]``), the signatures (genes x
+    types, a DataFrame as cell2location takes them) and the true abundance of
+    each type in each spot.
+    """
+    import anndata
+    import pandas
+
+    rng = np.random.default_rng(seed)
+    side = int(np.ceil(np.sqrt(n_spots)))
+    grid = np.stack(np.divmod(np.arange(n_spots), side), axis=1) / side
+    # Each type lives around a few centres; a spot holds the nearby types.
+    centres = rng.uniform(size=(n_types, 3, 2))
+    distance = np.linalg.norm(grid[:, None, None, :] - centres[None], axis=-1).min(axis=2)
+    density = np.exp(-((distance / 0.15) ** 2)) * rng.gamma(2.0, 1.5, size=(1, n_types))
+    abundance = density * (rng.uniform(size=density.shape) < 0.8)
+    # Signatures: a background plus markers, about 1,500 counts per cell.
+    signatures = rng.gamma(0.3, 1.0, size=(n_genes, n_types))
+    markers = rng.integers(0, n_genes, size=(n_types, max(n_genes // n_types, 3)))
+    for cell_type, genes in enumerate(markers):
+        signatures[genes, cell_type] += rng.gamma(3.0, 3.0, size=len(genes))
+    signatures *= 1500.0 / signatures.sum(axis=0, keepdims=True)
+    detection = rng.gamma(20.0, 0.05 / 20.0, size=(n_spots, 1))  # ~5% of molecules seen
+    gene_scale = rng.gamma(5.0, 0.2, size=(1, n_genes))
+    mean = detection * gene_scale * (abundance @ signatures.T)
+    counts = rng.poisson(rng.gamma(20.0, mean / 20.0 + 1e-12)).astype(np.float32)
+    genes = [f"gene{g}" for g in range(n_genes)]
+    adata = anndata.AnnData(
+        X=counts,
+        obs=pandas.DataFrame({"sample": "s1"}, index=[f"spot{s}" for s in range(n_spots)]),
+        var=pandas.DataFrame(index=genes),
+    )
+    adata.obsm["spatial"] = grid
+    frame = pandas.DataFrame(signatures, index=genes, columns=[f"type{f}" for f in range(n_types)])
+    return adata, frame, abundance
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train one configuration; return what worker 0 reports."""
+    import scvi
+    import torch
+    from cell2location.models import Cell2location
+
+    from pyro_distributed.lightning import PyroDistributedStrategy
+    from pyro_distributed.lightning.posterior import owned_posterior
+
+    torch.set_num_threads(args.threads)
+    scvi.settings.seed = args.seed
+    adata, signatures, _ = synthetic_visium(args.spots, args.genes, args.types, seed=args.data_seed)
+    Cell2location.setup_anndata(adata, batch_key="sample")
+    guide: dict[str, Any] = {}
+    if args.guide != "AutoNormal":
+        from pyro.infer import autoguide
+
+        guide = {"create_autoguide_kwargs": {"guide_class": getattr(autoguide, args.guide)}}
+    model = Cell2location(
+        adata, cell_state_df=signatures, N_cells_per_location=8, detection_alpha=20, **guide
+    )
+    options: dict[str, Any] = {}
+    if args.devices > 1 or args.mode != "single":
+        owned = args.mode == "owned"
+        options["strategy"] = PyroDistributedStrategy(
+            own_local_params=owned,
+            local_updates=args.local_updates if owned else "dense",
+            seed=args.seed,
+        )
+    started = time.perf_counter()
+    model.train(
+        max_epochs=args.epochs,
+        batch_size=args.batch_size,
+        accelerator="cpu",
+        device=args.devices,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        **options,
+    )
+    seconds = time.perf_counter() - started
+    held = _spots_held(model)
+    if args.mode == "owned":  # each worker summarises its own spots
+        with owned_posterior(model):
+            model.export_posterior(adata, use_quantiles=True, add_to_obsm=["q50"])
+    else:
+        model.export_posterior(adata, use_quantiles=True, add_to_obsm=["q50"])
+    abundance = adata.obsm["q50_cell_abundance_w_sf"].to_numpy()
+    return {"abundance": abundance, "seconds": seconds, "spots_held": held}
+
+
+def _spots_held(model: Any) -> int:
+    """How many spots' abundance parameters this worker holds."""
+    import pyro
+
+    store = pyro.get_param_store()
+    name = next(name for name in store if "w_sf" in name and "loc" in name)
+    return int(store[name].shape[-2])
+
+
+def run_one(args: argparse.Namespace) -> None:
+    result = train(args)
+    import torch.distributed
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    held = result["spots_held"]
+    if rank == 0:
+        np.savez(args.out, abundance=result["abundance"], seconds=result["seconds"], held=held)
+    Path(f"{args.out}.held{rank}").write_text(str(held))
+    print(f"worker {rank}: holds {held} spots' parameters of {args.spots}", flush=True)
+
+
+def compare(args: argparse.Namespace) -> dict[str, float]:
+    """Train W=1 (two seeds) and W=2 (owned spots); compare and draw the figure."""
+    out = Path(args.workdir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = {"w1_seed0": (1, 0), "w1_seed1": (1, 1), "w2_owned": (2, 0)}
+    results = {}
+    for name, (devices, seed) in runs.items():
+        command = [
+            sys.executable,
+            __file__,
+            "--run",
+            "--devices",
+            str(devices),
+            "--seed",
+            str(seed),
+        ]
+        command += [
+            "--mode",
+            "owned" if devices > 1 else "single",
+            "--out",
+            str(out / f"{name}.npz"),
+        ]
+        command += _shared(args)
+        subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+        results[name] = np.load(out / f"{name}.npz")
+    reference = results["w1_seed0"]["abundance"]
+    noise = _relative(results["w1_seed1"]["abundance"], reference)
+    distributed = _relative(results["w2_owned"]["abundance"], reference)
+    truth = synthetic_visium(args.spots, args.genes, args.types, seed=args.data_seed)[2]
+    summary = {
+        "seed_noise": noise,
+        "w2_vs_w1": distributed,
+        "correlation_w1_truth": float(np.corrcoef(reference.ravel(), truth.ravel())[0, 1]),
+        "correlation_w2_w1": float(
+            np.corrcoef(results["w2_owned"]["abundance"].ravel(), reference.ravel())[0, 1]
+        ),
+    }
+    print(json.dumps(summary, indent=1))
+    if args.figure:
+        _figure(reference, results["w2_owned"]["abundance"], results["w1_seed1"]["abundance"], args)
+    return summary
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    """Root-mean-square difference relative to the reference's root mean square."""
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2)))
+
+
+def _figure(w1: np.ndarray, w2: np.ndarray, w1_other: np.ndarray, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(9, 4.2), sharex=True, sharey=True)
+    for axis, other, title in (
+        (axes[0], w1_other, "W=1, another seed (the noise)"),
+        (axes[1], w2, "W=2, spots owned by their worker"),
+    ):
+        axis.scatter(w1.ravel(), other.ravel(), s=2, alpha=0.3)
+        top = float(max(w1.max(), other.max()))
+        axis.plot([0, top], [0, top], color="black", linewidth=0.8)
+        axis.set_title(title, fontsize=10)
+        axis.set_xlabel("cell abundance, W=1 (median)")
+    axes[0].set_ylabel("cell abundance (median)")
+    figure.suptitle(f"cell2location, {args.spots} spots x {args.genes} genes x {args.types} types")
+    figure.tight_layout()
+    target = HERE.parent / "docs" / "cell2location_w1_vs_w2.png"
+    figure.savefig(target, dpi=110)
+    print(f"wrote {target}")
+
+
+def _shared(args: argparse.Namespace) -> list[str]:
+    shared = ["--spots", str(args.spots), "--genes", str(args.genes), "--types", str(args.types)]
+    shared += ["--epochs", str(args.epochs), "--data-seed", str(args.data_seed)]
+    shared += ["--threads", str(args.threads)]
+    return shared + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spots", type=int, default=2000)
+    parser.add_argument("--genes", type=int, default=200)
+    parser.add_argument("--types", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=400)
+    parser.add_argument("--batch-size", type=int, default=None, help="default: full batch")
+    parser.add_argument("--data-seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--workdir", default="c2l_runs")
+    parser.add_argument(
+        "--figure", action="store_true", help="write docs/cell2location_w1_vs_w2.png"
+    )
+    parser.add_argument("--run", action="store_true", help="train one configuration")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mode", choices=["single", "owned", "replicated"], default="single")
+    parser.add_argument("--out", default="run.npz")
+    parser.add_argument("--guide", default="AutoNormal", help="or AutoNormalMessenger, ...")
+    parser.add_argument("--local-updates", choices=["dense", "sparse"], default="dense")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    arguments = parse()
+    if arguments.run:
+        run_one(arguments)
+    else:
+        compare(arguments)

@@ -1,0 +1,132 @@
+"""Posterior summaries of owned observations, computed where each observation lives.
+
+After training with ``PyroDistributedStrategy(own_local_params=True)`` worker
+r holds the variational parameters of its block of observations only
+(:mod:`pyro_distributed.local`), so scvi-tools' ``sample_posterior`` and
+cell2location's ``posterior_quantile`` cannot run on one worker over every
+observation. :func:`owned_posterior` makes them work unchanged: inside it,
+each of these methods of the model runs on every worker over that worker's
+block (its data and its parameters), turns its samples into summaries there
+(means, standard deviations, quantiles), and only the summaries travel,
+joined along the observation plate in the AnnData's order. Global sites'
+summaries are worker 0's. No worker ever holds another worker's samples,
+nor every observation's.
+
+Example::
+
+    model.train(..., strategy=PyroDistributedStrategy(own_local_params=True))
+    with owned_posterior(model):                 # on every worker
+        adata = model.export_posterior(adata, sample_kwargs={"num_samples": 100})
+    # every worker's adata.obsm["means_cell_abundance_w_sf"] has every spot
+
+.. warning::
+    A collective: call the model's methods inside it on every worker, in the
+    same order and with the same arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import runtime
+from ..data.subsample import shard_subsamples
+from ..gather import Destination, gather_pieces
+from ..partition import block_range
+
+__all__ = ["owned_posterior"]
+
+Summaries = dict[str, Any]
+
+
+@contextmanager
+def owned_posterior(model: Any, *, to: Destination = "all") -> Iterator[Any]:
+    """Make ``model.sample_posterior`` and (where the model has it)
+    ``model.posterior_quantile`` summarise each worker's block where it lives.
+
+    :param model: a trained scvi-tools model with a Pyro module
+        (``PyroSampleMixin``), such as cell2location's ``Cell2location``.
+    :param to: ``"all"`` (default): every worker gets every observation's
+        summaries, so the model's own exports (``export_posterior``) work on
+        every worker; ``"main"``: worker 0 only, and other workers get ``None``
+        from the methods (call exports on worker 0 alone then).
+    """
+    engine = runtime.current_engine()
+    n_obs = int(model.adata.n_obs)
+    block = np.arange(block_range(n_obs).start, block_range(n_obs).stop)
+    saved = {name: model.__dict__.get(name) for name in ("sample_posterior", "posterior_quantile")}
+    own_sample = model.sample_posterior
+
+    def sample_posterior(**kwargs: Any) -> Summaries | None:
+        kwargs.setdefault("batch_size", len(block))
+        with shard_subsamples(own_local_params=True):
+            summaries = own_sample(indices=block, **kwargs)
+        sites = _plate_sites(model, block)
+        joined = {
+            summary: _join(engine, values, sites, to) for summary, values in summaries.items()
+        }
+        return None if to == "main" and engine.rank != 0 else joined
+
+    model.sample_posterior = sample_posterior
+    if hasattr(model, "_posterior_quantile"):
+        model.posterior_quantile = _quantiles(model, block, engine, to)
+    try:
+        yield model
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                model.__dict__.pop(name, None)
+            else:
+                model.__dict__[name] = value
+
+
+def _quantiles(
+    model: Any, block: np.ndarray, engine: Any, to: Destination
+) -> Callable[..., Summaries | None]:
+    """cell2location's ``posterior_quantile`` over this worker's block (its
+    full-batch form: every guide's quantiles of one block at once)."""
+
+    def posterior_quantile(**kwargs: Any) -> Summaries | None:
+        kwargs.pop("batch_size", None)
+        exclude = kwargs.pop("exclude_vars", None) or []
+        with shard_subsamples(own_local_params=True):
+            values = model._posterior_quantile(
+                batch_size=len(block), data_loader_indices=block, exclude_vars=exclude, **kwargs
+            )
+        joined = _join(engine, values, _plate_sites(model, block), to)
+        return None if to == "main" and engine.rank != 0 else joined
+
+    return posterior_quantile
+
+
+def _plate_sites(model: Any, block: np.ndarray) -> dict[str, int]:
+    """Each site of the observation plate, with the plate's axis in its values,
+    traced on a few observations of this worker's block (scvi-tools' own rule)."""
+    loader = model._make_data_loader(
+        adata=model.adata, indices=block[:16], shuffle=False, batch_size=16
+    )
+    args, kwargs = model.module._get_fn_args_from_batch(next(iter(loader)))
+    with shard_subsamples(own_local_params=True), torch.no_grad():
+        sites: dict[str, int] = model._get_obs_plate_sites(args, kwargs, return_observed=True)
+    return sites
+
+
+def _join(engine: Any, values: Summaries, sites: dict[str, int], to: Destination) -> Summaries:
+    """Every worker's summaries of the plate's sites joined in rank order (the
+    AnnData's order, as blocks are), the other sites worker 0's."""
+    local = {name: torch.as_tensor(np.asarray(v)) for name, v in values.items() if name in sites}
+    axes: dict[str, int | None] = {name: _axis(sites[name], local[name]) for name in local}
+    joined = gather_pieces(engine, local, axes, to) or {}
+    shared = {name: v for name, v in values.items() if name not in sites}
+    shared = engine.allgather_object(shared)[0] if to == "all" else shared
+    out = {**shared, **{name: value.numpy() for name, value in joined.items()}}
+    return {name: out[name] for name in values if name in out}
+
+
+def _axis(dim: int, value: torch.Tensor) -> int:
+    """The plate's axis of a summary, from the right (scvi-tools gives it from the right)."""
+    return dim if dim < 0 else dim - value.dim()
