@@ -38,14 +38,43 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampl
 from ..data.shards import ShardSampler
 from ..engines import Engine
 from ..errors import PyroDistributedError
-from . import internals
-from .data import EvaluationSampler, is_plain_sampler
+from . import anndata, internals
+from .data import EvaluationSampler, is_plain_sampler, with_own_generator
 
-__all__ = ["UnshardedLoaderWarning", "shard_loader"]
+__all__ = ["UnshardedLoaderWarning", "prepare_loader", "shard_loader"]
 
 
 class UnshardedLoaderWarning(UserWarning):
     """A loader whose sampler the strategy could not give each worker's share to."""
+
+
+def prepare_loader(
+    dataloader: object,
+    engine: Engine,
+    stage: RunningStage | None,
+    *,
+    shuffle: bool,
+    seed: int,
+    own_local_params: bool,
+    observations: int | None,
+) -> object:
+    """The loader the strategy hands Lightning: with ``own_local_params``,
+    scvi-tools' loaders keep this worker's block (:func:`.anndata.owned_loader`);
+    any other loader is sharded by :func:`shard_loader`. A training loader gets
+    a generator of its own (:func:`.data.with_own_generator`), so that starting
+    its iterator never draws from the global RNG."""
+    if not isinstance(dataloader, DataLoader):
+        return dataloader
+    owned = own_local_params and stage != RunningStage.PREDICTING
+    if owned and engine.world_size > 1 and anndata.is_batch_sampler_loader(dataloader):
+        processed: Any = anndata.owned_loader(dataloader, engine, size=observations, seed=seed)
+    else:
+        processed = shard_loader(
+            dataloader, engine, stage, shuffle=shuffle, seed=seed, by_block=own_local_params
+        )
+    if stage == RunningStage.TRAINING:
+        with_own_generator(processed, seed)
+    return processed
 
 
 def shard_loader(

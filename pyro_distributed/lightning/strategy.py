@@ -46,10 +46,9 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
-from torch.utils.data import DataLoader
 
 from .. import runtime
 from ..checks import check_bool
@@ -60,7 +59,6 @@ from ..local.sparse import check_local_updates
 from ..optim.torch_optimizer import DistributedTorchOptimizer
 from . import anndata, collectives, internals, launch, layer_sync, plans, pyro_state, samplers
 from .checkpoint_hooks import CheckpointHooks
-from .data import with_own_generator
 
 __all__ = ["PyroDistributedStrategy"]
 
@@ -345,22 +343,11 @@ class PyroDistributedStrategy(CheckpointHooks):
         (:func:`.samplers.shard_loader`); with ``own_local_params``, scvi-tools'
         loaders keep this worker's block (:func:`.anndata.owned_loader`). A
         training loader gets a generator of its own (see ``CheckpointHooks``)."""
-        if not isinstance(dataloader, DataLoader):
-            return dataloader
         stage = self.lightning_module.trainer.state.stage if self.lightning_module else None
-        owned = self.own_local_params and stage != RunningStage.PREDICTING
-        if owned and self.engine.world_size > 1 and anndata.is_batch_sampler_loader(dataloader):
-            processed: Any = anndata.owned_loader(
-                dataloader, self.engine, size=self._observations, seed=self.seed
-            )
-        else:
-            processed = samplers.shard_loader(
-                dataloader, self.engine, stage,
-                shuffle=self.shuffle, seed=self.seed, by_block=self.own_local_params,
-            )  # fmt: skip
-        if stage == RunningStage.TRAINING:
-            with_own_generator(processed, self.seed)
-        return processed
+        return samplers.prepare_loader(
+            dataloader, self.engine, stage, shuffle=self.shuffle, seed=self.seed,
+            own_local_params=self.own_local_params, observations=self._observations,
+        )  # fmt: skip
 
     # -- collectives on the engine: lightning/collectives.py
 
