@@ -403,8 +403,9 @@ def test_a_hung_worker_is_detected_after_the_time_out_and_the_job_aborted(tmp_pa
     assert message, output
     assert "allreduce (sum) of pyro_distributed.grad.p+0 failed on worker 0 of 2" in message[1]
     assert "no answer within the time-out" in message[1] and "time-out 3 s" in message[1]
-    # The survivor's abort ends the sleeper too: the job takes seconds, not 600.
-    assert 3 < elapsed < 25, elapsed
+    # The survivor's abort ends the sleeper too: the job takes seconds, not the
+    # sleeper's 600 (the bound leaves room for mpiexec's start on a busy machine).
+    assert 3 < elapsed < 60, elapsed
 
 
 def hang_with_short_timeout(checkpoint: str) -> dict[str, Any]:

@@ -84,10 +84,14 @@ def test_sparse_local_steps_train_from_model_train(tmp_path: Path, reference: di
 
 
 @pytest.mark.parametrize("guide", ["AutoNormalMessenger", "AutoHierarchicalNormalMessenger"])
-def test_messenger_guides_own_their_spots(tmp_path: Path, reference: dict, guide: str) -> None:
+def test_messenger_guides_own_their_spots(tmp_path: Path, guide: str) -> None:
+    # Against the same guide at W=1: another guide family converges elsewhere in
+    # 150 epochs (AutoHierarchicalNormalMessenger's estimates correlate 0.78 with
+    # AutoNormal's), so only its own single-process run is the reference.
+    single = train(tmp_path, f"{guide}-w1", "--epochs", "150", "--guide", guide, devices=1)
     result = train(tmp_path, guide, "--epochs", "150", "--guide", guide)
     assert result["held"] == [150, 151]
-    assert np.corrcoef(result["abundance"].ravel(), reference["abundance"].ravel())[0, 1] > 0.8
+    assert np.corrcoef(result["abundance"].ravel(), single["abundance"].ravel())[0, 1] > 0.8
 
 
 # -- checkpoints through Lightning: c2l_checkpoint.py
