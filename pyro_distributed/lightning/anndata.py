@@ -124,7 +124,8 @@ class OwnedBatchSampler(Sampler[list[int]]):
     ) -> None:
         if steps < 1 or steps > max(len(positions), 1):
             raise ValueError(f"OwnedBatchSampler: steps={steps} for {len(positions)} positions")
-        self.positions = torch.as_tensor(positions, dtype=torch.int64)
+        # cpu: a sampler's positions are host-side indices into the data set.
+        self.positions = torch.as_tensor(positions, dtype=torch.int64, device="cpu")
         self.steps, self.shuffle, self.seed, self.epoch = steps, shuffle, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -136,7 +137,8 @@ class OwnedBatchSampler(Sampler[list[int]]):
         if self.shuffle:
             stream = derived_seed(self.seed, self.epoch, runtime.rank())
             generator = torch.Generator().manual_seed(stream)
-            order = order[torch.randperm(len(order), generator=generator)]
+            # cpu: drawn with a CPU generator, to index host-side positions.
+            order = order[torch.randperm(len(order), generator=generator, device="cpu")]
         for part in torch.tensor_split(order, self.steps):
             yield part.tolist()
 
@@ -214,7 +216,8 @@ def _global_rows(loader: DataLoader[Any]) -> np.ndarray:
         return np.asarray(indices, dtype=np.int64)
     data = getattr(loader.dataset, "data", None)  # a device-backed splitter's data set
     if isinstance(data, dict) and _INDICES_KEY in data:
-        return np.asarray(torch.as_tensor(data[_INDICES_KEY]).cpu().flatten(), dtype=np.int64)
+        indices = torch.as_tensor(data[_INDICES_KEY])  # device: its own; read on the host next
+        return np.asarray(indices.cpu().flatten(), dtype=np.int64)
     raise PyroDistributedError(
         f"PyroDistributedStrategy(own_local_params=True) cannot tell which observations a "
         f"loader over {type(loader.dataset).__name__} holds; register the observation index "

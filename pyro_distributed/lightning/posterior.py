@@ -118,7 +118,12 @@ def _plate_sites(model: Any, block: np.ndarray) -> dict[str, int]:
 def _join(engine: Any, values: Summaries, sites: dict[str, int], to: Destination) -> Summaries:
     """Every worker's summaries of the plate's sites joined in rank order (the
     AnnData's order, as blocks are), the other sites worker 0's."""
-    local = {name: torch.as_tensor(np.asarray(v)) for name, v in values.items() if name in sites}
+    # cpu: the summaries arrive as NumPy arrays and travel from host memory.
+    local = {
+        name: torch.as_tensor(np.asarray(v), device="cpu")
+        for name, v in values.items()
+        if name in sites
+    }
     axes: dict[str, int | None] = {name: _axis(sites[name], local[name]) for name in local}
     joined = gather_pieces(engine, local, axes, to) or {}
     shared = {name: v for name, v in values.items() if name not in sites}
