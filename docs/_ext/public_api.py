@@ -41,6 +41,8 @@ def entries(module: ModuleType, qualname: str, depth: int = 0) -> list[str]:
         if inspect.ismodule(obj):
             title = f"``{target}``"
             lines += ["", title, "-~^"[min(depth, 2)] * len(title), ""]
+            if target != obj.__name__:  # pd.scaling: an entry under the name users type
+                lines += [f".. py:module:: {target}", ""]
             lines += [f".. automodule:: {obj.__name__}", "   :no-members:", ""]
             lines += entries(obj, obj.__name__, depth + 1)
         elif inspect.isclass(obj):
