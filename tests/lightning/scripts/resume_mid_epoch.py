@@ -8,7 +8,10 @@ silences; with identical rows that is harmless here.)
 
 ``--save-every 2`` writes ``step=<s>.ckpt`` every two steps (4 steps per
 epoch at 2 workers); ``--resume FILE`` continues from one. Each worker saves
-its final parameters and losses to ``OUT/rank<r>.pt``.
+its parameters after step 8 (the straight run's last), its losses and its
+final ``global_step`` to ``OUT/rank<r>.pt``. (Lightning before 2.5 trains one
+step more after a resume, Lightning-AI/pytorch-lightning#19403: the parameters
+are taken at step 8 so that the runs can still be compared.)
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from pyro_distributed.lightning import PyroDistributedStrategy
 
 ROWS, BATCH = 64, 8
+STEPS = 8  # the straight run's: 2 epochs of 4 steps at 2 workers
 
 
 class Mean(PyroModule):
@@ -45,11 +49,18 @@ class Plan(pl.LightningModule):
         model = Mean()
         self.loss_fn = Trace_ELBO()(model, AutoNormal(model))
         self.losses: list[float] = []
+        self.params_at_last_step: dict[str, torch.Tensor] = {}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss: torch.Tensor = self.loss_fn(batch[0])  # draws mu from the guide
         self.losses.append(float(loss))
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == STEPS:
+            self.params_at_last_step = {
+                name: value.detach().clone() for name, value in self.loss_fn.named_parameters()
+            }
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.loss_fn.parameters(), lr=0.05)
@@ -95,7 +106,7 @@ def main() -> None:
     trainer.fit(plan, loader, ckpt_path=args.resume)
     record = {
         "global_step": trainer.global_step,
-        "params": {k: v.detach().clone() for k, v in plan.loss_fn.named_parameters()},
+        "params": plan.params_at_last_step,
         "losses": plan.losses,
     }
     args.out.mkdir(parents=True, exist_ok=True)
