@@ -121,10 +121,8 @@ class Engine(abc.ABC):
     #: torch process group.
     launches_own_workers: ClassVar[bool] = False
 
-    #: Under its own launcher, whether a host framework counts one device per
-    #: process (Horovod's convention, ``Trainer(devices=1)``) rather than the
-    #: workers on each machine.
-    one_device_per_process: ClassVar[bool] = False
+    #: The launcher's command, for messages (``"horovodrun"``, ``"mpiexec"``).
+    launcher: ClassVar[str] = "the launcher"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

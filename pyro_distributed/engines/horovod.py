@@ -63,7 +63,7 @@ class HorovodEngine(Engine):
     #: sets too: Horovod asks first.
     detection_priority = 30
     launches_own_workers = True
-    one_device_per_process = True
+    launcher = "horovodrun"
     _transport_errors = (RuntimeError, ValueError)
 
     @staticmethod

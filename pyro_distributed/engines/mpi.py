@@ -152,6 +152,7 @@ class MPIEngine(Engine):
     #: Asked after Horovod and torch, whose launchers' environments can sit inside MPI's.
     detection_priority = 10
     launches_own_workers = True
+    launcher = "mpiexec"
 
     @staticmethod
     def detected() -> bool:

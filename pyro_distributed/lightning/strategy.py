@@ -250,8 +250,11 @@ class PyroDistributedStrategy(CheckpointHooks):
         atexit.register(collectives.leave_together, self._engine)
 
     def _check_devices(self, workers: int) -> None:
-        launcher = {"horovod": "horovodrun", "mpi": "mpiexec"}.get(
-            self._engine_name, "the launcher"
+        # torchrun, or mpiexec making a torch process group: Lightning's environment
+        launcher = (
+            engine_class(self._engine_name).launcher
+            if self._launcher_starts_workers
+            else "the launcher"
         )
         launch.check_devices(self.num_nodes, self.num_processes, workers, launcher)
 

@@ -43,7 +43,10 @@ def test_every_engine_class_says_how_it_is_detected_and_who_starts_its_workers()
     order = sorted(classes, key=lambda name: -classes[name].detection_priority)
     assert order == ["horovod", "torch", "mpi", "local"]
     assert [n for n, c in classes.items() if c.launches_own_workers] == ["horovod", "mpi"]
-    assert [n for n, c in classes.items() if c.one_device_per_process] == ["horovod"]
+    launchers = {name: cls.launcher for name, cls in classes.items()}
+    assert launchers == {
+        "horovod": "horovodrun", "mpi": "mpiexec", "torch": "the launcher", "local": "the launcher"
+    }  # fmt: skip
 
 
 def exited_pid() -> int:

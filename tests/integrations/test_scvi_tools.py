@@ -10,6 +10,7 @@ if a package is missing.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,12 +40,14 @@ def train(out: Path, *options: str, devices: int = 2) -> list[dict[str, Any]]:
 
 
 def assert_in_sync(records: list[dict[str, Any]]) -> None:
+    """Every worker ends with the same Pyro parameters and module buffers, bitwise."""
     first = records[0]["params"]
     assert first, "no Pyro parameters were trained"
     for record in records[1:]:
-        assert record["params"].keys() == first.keys()
-        for name, value in first.items():
-            assert torch.equal(record["params"][name], value), name
+        for kind in ("params", "buffers"):
+            assert record[kind].keys() == records[0][kind].keys()
+            for name, value in records[0][kind].items():
+                assert torch.equal(record[kind][name], value), name
 
 
 def assert_disjoint_shares(records: list[dict[str, Any]], epochs: int) -> None:
@@ -71,6 +74,7 @@ def lda(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, An
     return {
         "w2": train(root / "w2", "--model", "lda", "--batch-size", "64"),
         "w2-sampler": train(root / "w2-sampler", "--model", "lda", "--distributed-sampler"),
+        "w3": train(root / "w3", "--model", "lda", "--batch-size", "43", devices=3),
         "w1": train(root / "w1", *alone, devices=1),
         "w1-seed1": train(root / "w1-seed1", *alone, "--seed", "1", devices=1),
     }
@@ -84,6 +88,16 @@ def test_amortized_lda_trains_one_model_on_disjoint_shares_from_its_own_train(
     # strategy wrapped the one and split the other.
     records = lda["w2"]
     assert [r["world_size"] for r in records] == [2, 2]
+    assert records[0]["buffers"], "AmortizedLDA's encoder has BatchNorm statistics"
+    assert_in_sync(records)
+    assert_disjoint_shares(records, epochs=3)
+
+
+def test_amortized_lda_at_three_workers_stays_in_sync_on_disjoint_shares(
+    lda: dict[str, list[dict[str, Any]]],
+) -> None:
+    records = lda["w3"]
+    assert [r["world_size"] for r in records] == [3, 3, 3]
     assert_in_sync(records)
     assert_disjoint_shares(records, epochs=3)
 
@@ -107,6 +121,30 @@ def test_amortized_lda_at_two_workers_matches_one_within_seed_noise(
     noise = abs(one - other_seed)
     assert abs(two - one) <= 3 * noise + 1e-3 * abs(one), (one, other_seed, two)
     assert lda["w2"][1]["loss"] == two  # the same parameters on both workers
+
+
+def topic_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The mean absolute difference of two cells-by-topics matrices, under the
+    matching of topics that makes it least (topics have no fixed labels)."""
+    return min(
+        float((a[:, list(order)] - b).abs().mean())
+        for order in itertools.permutations(range(a.shape[1]))
+    )
+
+
+def test_get_latent_representation_gives_every_cell_in_anndata_order_on_every_worker(
+    lda: dict[str, list[dict[str, Any]]],
+) -> None:
+    records = lda["w2"]
+    for record in records:
+        latent = record["latent"]
+        assert record["latent_index"] == record["obs_names"]  # the AnnData's order
+        assert latent.shape == (len(record["obs_names"]), 4)
+        assert torch.allclose(latent.sum(dim=1), torch.ones(len(latent), dtype=latent.dtype))
+        assert torch.equal(latent, records[0]["latent"])  # the same on every worker
+    one, other_seed = lda["w1"][0]["latent"], lda["w1-seed1"][0]["latent"]
+    noise = topic_distance(other_seed, one)
+    assert topic_distance(records[0]["latent"], one) <= 3 * noise + 1e-3, noise
 
 
 def test_a_plan_whose_svi_the_strategy_cannot_find_stops_training(tmp_path: Path) -> None:

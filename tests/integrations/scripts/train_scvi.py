@@ -6,7 +6,9 @@ running this script again; both build the same data and model (seeded) and
 call ``model.train(..., accelerator="cpu", device=2,
 strategy="pyro_distributed")``, nothing else. Each worker saves what it ended
 with to ``DIR/rank<r>.pt``: every Pyro parameter, the rows it trained on in
-each epoch (positions in the training set), and the full-data loss.
+each epoch (positions in the training set), the module's floating-point
+buffers, the full-data loss and, for ``AmortizedLDA``, every cell's topic
+proportions from ``model.get_latent_representation()``.
 
 ``--hidden-svi`` trains with a plan whose SVI the strategy cannot find (it
 keeps it in a list and steps it itself): the run must stop with
@@ -147,10 +149,22 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model.train(max_epochs=args.epochs, batch_size=batch_size, lr=1e-2, **common)
     trainer = model.trainer
     store = pyro.get_param_store()
+    # The module's floating-point buffers (AmortizedLDA's encoder BatchNorm
+    # statistics), which the strategy averages after every step.
+    buffers = {
+        f"buffer:{name}": value.detach().clone()
+        for name, value in model.module.named_buffers()
+        if value.is_floating_point()
+    }
+    latent = model.get_latent_representation() if args.model == "lda" else None
     return {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
         "params": {name: store.get_state()["params"][name].detach().clone() for name in store},
+        "buffers": buffers,
+        "latent": None if latent is None else torch.as_tensor(np.asarray(latent)),
+        "obs_names": list(adata.obs_names),
+        "latent_index": None if latent is None else list(latent.index),
         "rows": rows.epochs,
         "n_train": len(model.train_indices),
         "loss": full_data_loss(model),
