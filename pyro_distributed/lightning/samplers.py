@@ -33,7 +33,7 @@ from collections.abc import Sized
 from typing import Any
 
 from lightning.pytorch.trainer.states import RunningStage
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler
 
 from ..data.shards import ShardSampler
 from ..engines import Engine
@@ -53,7 +53,7 @@ def prepare_loader(
     engine: Engine,
     stage: RunningStage | None,
     *,
-    shuffle: bool,
+    shuffle: bool | None,
     seed: int,
     own_local_params: bool,
     observations: int | None,
@@ -82,15 +82,20 @@ def shard_loader(
     engine: Engine,
     stage: RunningStage | None,
     *,
-    shuffle: bool,
+    shuffle: bool | None,
     seed: int,
     by_block: bool,
 ) -> object:
-    """``loader`` giving this worker its share of the rows (see the module's docstring)."""
+    """``loader`` giving this worker its share of the rows (see the module's docstring).
+
+    ``shuffle=None`` keeps the loader's own choice, as Lightning's DDP does: a
+    new order each epoch if its sampler is a ``RandomSampler``, the data's
+    order otherwise."""
     if not isinstance(loader, DataLoader) or engine.world_size == 1:
         return loader
     sampler = loader.sampler
     if is_plain_sampler(sampler):
+        shuffle = _shuffles(sampler) if shuffle is None else shuffle
         share = _share(loader.dataset, stage, shuffle=shuffle, seed=seed, by_block=by_block)
         return internals.with_sampler(loader, share, stage)
     if _batches_rows(loader):
@@ -98,6 +103,7 @@ def shard_loader(
         inner = sampler.sampler
         if is_plain_sampler(inner):
             rows = getattr(inner, "data_source", loader.dataset)
+            shuffle = _shuffles(inner) if shuffle is None else shuffle
             # The loader is the one the Trainer just asked for; its batch sampler
             # is changed in place, which keeps the loader's class and arguments.
             share = _share(rows, stage, shuffle=shuffle, seed=seed, by_block=by_block)
@@ -132,6 +138,11 @@ def _share(
     if stage == RunningStage.TRAINING:
         return ShardSampler(rows, shuffle=shuffle, seed=seed, by_block=by_block)
     return EvaluationSampler(rows)
+
+
+def _shuffles(sampler: object) -> bool:
+    """Whether a plain sampler gives a new order each epoch."""
+    return isinstance(sampler, RandomSampler)
 
 
 def _batches_rows(loader: DataLoader[Any]) -> bool:

@@ -81,7 +81,10 @@ class PyroDistributedStrategy(CheckpointHooks):
         (default) steps every owned row each step; ``"sparse"`` only the
         rows of the step's batch, at O(batch) a step, with the lazy rules of
         ``torch.optim.SparseAdam`` (README, "Sparse local steps").
-    :param shuffle: whether the training loader's order changes each epoch.
+    :param shuffle: whether the training loader's order changes each epoch;
+        ``None`` (default) keeps the loader's own choice, as Lightning's DDP
+        does (``DataLoader(shuffle=True)`` shuffles, ``shuffle=False`` keeps
+        the data's order, split between the workers).
     :param seed: the seed of the shared order.
     :param optimizer_options: keyword arguments for every
         :class:`~pyro_distributed.DistributedOptimizer` the strategy makes
@@ -145,7 +148,7 @@ class PyroDistributedStrategy(CheckpointHooks):
         engine: str = "auto",
         own_local_params: bool = False,
         local_updates: str = "dense",
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         seed: int = 0,
         optimizer_options: Mapping[str, Any] | None = None,
         accelerator: Any = None,
@@ -166,7 +169,8 @@ class PyroDistributedStrategy(CheckpointHooks):
         self.local_updates = check_local_updates(
             local_updates, own_local_params, "PyroDistributedStrategy"
         )
-        check_bool("shuffle", shuffle)
+        if shuffle is not None:
+            check_bool("shuffle", shuffle)
         options = dict(optimizer_options or {})
         if "engine" in options:
             raise TypeError("optimizer_options cannot hold 'engine'; pass engine= to the strategy")

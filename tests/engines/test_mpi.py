@@ -42,7 +42,7 @@ from ..evaluation import test_loss, test_predictive
 from ..exchange import test_agreement, test_averager, test_compression, test_overlap
 from ..harness import WorkerFailure, run_under_launcher
 from ..local import test_blocks, test_ownership
-from ..optim import test_consistency, test_noise_scale, test_schedulers
+from ..optim import test_consistency, test_module_buffers, test_noise_scale, test_schedulers
 
 PyroError = pd.PyroDistributedError
 
@@ -128,6 +128,12 @@ ON_MPI: dict[str, Case] = {
         )
     ),
     "dtype mismatch named": lambda _: test_agreement.test_dtype_mismatch_names_param_and_dtypes(),
+    # module buffers
+    "BatchNorm statistics averaged, W=3": lambda _: (
+        test_module_buffers.test_batchnorm_statistics_are_the_same_on_every_worker_after_every_step(
+            3, "PyroModule"
+        )
+    ),
 }
 
 

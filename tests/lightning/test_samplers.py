@@ -61,6 +61,41 @@ def test_a_batch_sampler_as_the_sampler_is_split_into_disjoint_shares() -> None:
     assert shares[0][0] != shares[0][1]  # set_epoch reaches the share: a new order
 
 
+def orders_by_default() -> dict[str, list[list[int]]]:
+    """With ``shuffle=None`` (the strategy's default), each loader's rows over
+    two epochs: a loader that shuffles and one that does not, plain and with a
+    BatchSampler as its sampler."""
+    dataset = TensorDataset(torch.arange(ROWS))
+    loaders = {
+        "plain, shuffled": DataLoader(dataset, batch_size=8, shuffle=True),
+        "plain, in order": DataLoader(dataset, batch_size=8, shuffle=False),
+        "batches, shuffled": batches_as_sampler(True),
+        "batches, in order": batches_as_sampler(False),
+    }
+    orders = {}
+    for name, loader in loaders.items():
+        engine, stage = pd.current_engine(), RunningStage.TRAINING
+        prepared = shard_loader(loader, engine, stage, shuffle=None, seed=0, by_block=False)
+        assert isinstance(prepared, DataLoader)
+        orders[name] = []
+        for epoch in range(2):
+            prepared.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+            orders[name].append([row for batch in prepared for row in batch[0].tolist()])
+    return orders
+
+
+def test_the_loaders_own_choice_to_shuffle_is_kept_by_default() -> None:
+    shares = run_workers(orders_by_default, timeout=600)
+    for name in shares[0]:
+        first, second = (share[name] for share in shares)
+        assert sorted(first[0] + second[0]) == list(range(ROWS)), name  # disjoint, complete
+        if "shuffled" in name:
+            assert first[0] != first[1], name  # a new order each epoch
+            assert first[0] != sorted(first[0]), name
+        else:
+            assert first[0] == first[1] == sorted(first[0]), name  # the data's order
+
+
 def test_an_evaluation_loader_of_batches_gets_contiguous_blocks() -> None:
     shares = run_workers(epochs_of_rows, RunningStage.VALIDATING, timeout=600)
     assert [share[0] for share in shares] == [list(range(25)), list(range(25, 50))]

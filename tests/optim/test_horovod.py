@@ -23,6 +23,7 @@ import pyro_distributed as pd
 from ..harness import HorovodSuites, run_workers
 from ..models import bayesian_regression, param_values, regression_data
 from ..test_semantics import clip_cases, train_each_elbo
+from .test_module_buffers import trained as trained_with_batchnorm
 from .test_noise_scale import measured_against_exact
 from .test_schedulers import train_each_scheduler
 
@@ -215,6 +216,7 @@ SCENARIOS: list[tuple[str, Any, tuple[Any, ...]]] = [
     ("every_scheduler", train_each_scheduler, (False,)),
     ("clip_cases", clip_cases, (False,)),
     ("noise_scale", measured_against_exact, (True, "none")),
+    ("buffers", trained_with_batchnorm, ("pyro.module",)),
 ]
 
 
@@ -418,3 +420,13 @@ def test_noise_scale_norms_are_exact_on_horovod() -> None:
     for record in outcome("noise_scale")[0]:
         assert record["gradient_sq"] == pytest.approx(record["exact_gradient_sq"], rel=1e-4)
         assert record["trace_sigma"] == pytest.approx(record["exact_trace_sigma"], rel=1e-4)
+
+
+def test_batchnorm_statistics_are_averaged_on_horovod() -> None:
+    results = outcome("buffers", 2)
+    assert not torch.equal(results[0]["own_first"], results[1]["own_first"])
+    mean = (results[0]["own_first"] + results[1]["own_first"]) * 0.5
+    for result in results:
+        assert torch.allclose(result["first"], mean, rtol=1e-6, atol=1e-7)
+        for name, value in results[0]["buffers"].items():
+            assert torch.equal(result["buffers"][name], value), name
