@@ -43,7 +43,7 @@ nothing at all when the trained modules have no floating-point buffer.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -124,6 +124,10 @@ class ModuleBuffers:
         self._checked = False
         # The values every worker agreed on at the end of the last step, per dtype.
         self._agreed: dict[torch.dtype, Tensor] = {}
+        # The last step's key and its buffers by dtype: a step whose key is the
+        # same skips finding the modules again (a steady state costs one compare).
+        self._key: Hashable = None
+        self._groups: dict[torch.dtype, list[Tensor]] = {}
 
     def found(self, named: Mapping[str, Tensor]) -> list[torch.nn.Module]:
         """The modules being trained, found again when a name in ``named`` is new.
@@ -146,21 +150,30 @@ class ModuleBuffers:
     def forget(self) -> None:
         """Find the modules again at the next step (after parameters were replaced)."""
         self._seen = {}
+        self._key = None
 
-    def start(self, named: Mapping[str, Tensor]) -> Callable[[], None]:
-        """Start averaging the buffers of the modules holding ``named`` (the
+    def start(self, key: Hashable, named: Callable[[], Mapping[str, Tensor]]) -> Callable[[], None]:
+        """Start averaging the buffers of the modules holding ``named()`` (the
         parameters of this step, by names every worker shares); the returned
         function finishes it. A collective when there are buffers, on every
         worker alike; it travels while the optimizer steps (which reads no
-        buffer), so it costs little more than its bytes."""
-        buffers = named_buffers(self.found(named), floating_only=True)
-        if not self._checked:
-            self._check(buffers)
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for _, buffer in buffers:
-            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        buffer), so it costs little more than its bytes.
+
+        ``key`` stands for the step's names (the same key, the same names):
+        while it does not change, ``named`` is not called and the modules
+        found at an earlier step are used."""
+        if key is None or key != self._key:
+            buffers = named_buffers(self.found(named()), floating_only=True)
+            if not self._checked:
+                self._check(buffers)
+            self._groups = {}
+            for _, buffer in buffers:
+                self._groups.setdefault(buffer.dtype, []).append(buffer)
+            self._key = key
+        if not self._groups:
+            return _nothing
         sent = []
-        for dtype, group in by_dtype.items():
+        for dtype, group in self._groups.items():
             flat = torch.cat([buffer.detach().reshape(-1) for buffer in group])
             agreed = self._agreed.get(dtype)
             if agreed is None or agreed.shape != flat.shape:
@@ -195,3 +208,7 @@ class ModuleBuffers:
             ),
             describe=lambda value: "absent" if value is ABSENT else f"{value[0]} {list(value[1])}",
         )
+
+
+def _nothing() -> None:
+    """The finish of a step with no buffers to average."""

@@ -213,12 +213,17 @@ class DataParallelStep:
         if stepped.finite and self._noise is not None and stepped.exchanged.tensors:
             self._noise.observe(*sync.squared_norms())  # before the optimizer clips
         exchanged = stepped.exchanged
-        named_now = {
-            **dict(zip(exchanged.names, exchanged.tensors, strict=True)),
-            **stepped.local,
-            **{rows.name: rows.tensor for rows in stepped.sparse},
-        }
-        finish_buffers = buffers.start(named_now)  # travels while the optimizer steps
+
+        def named_now() -> dict[str, Tensor]:
+            return {
+                **dict(zip(exchanged.names, exchanged.tensors, strict=True)),
+                **stepped.local,
+                **{rows.name: rows.tensor for rows in stepped.sparse},
+            }
+
+        # The same names as the last step: the same modules (no O(parameters) pass).
+        key = (exchanged.names, tuple(stepped.local), tuple(r.name for r in stepped.sparse))
+        finish_buffers = buffers.start(key, named_now)  # travels while the optimizer steps
         try:
             if stepped.finite:
                 step_optimizer(stepped.tensors)
