@@ -31,7 +31,8 @@ export PYRO_DISTRIBUTED_DOCS_HTML="$PWD/docs/_build/html"  # tests/test_docs.py 
 echo "[test] package"
 bash scripts/check_package.sh
 echo "[test] pytest"
-python -m pytest "$@"
+# --durations: the slowest tests in every run's log, to keep the command's time in view.
+python -m pytest --durations=25 "$@"
 
 # scvi-tools and cell2location (and jax, ~2 GB) in a venv of their own, with
 # the lowest Lightning the strategy supports: the integration tests (each trains
@@ -42,5 +43,5 @@ python -m pytest "$@"
 echo "[test] integrations"
 bash scripts/setup_integrations.sh
 INTEGRATIONS_PYTHON=${PYRO_DISTRIBUTED_INTEGRATIONS_VENV:-.venv-integrations}/bin/python
-"$INTEGRATIONS_PYTHON" -m pytest tests/integrations tests/lightning/test_internals.py \
+"$INTEGRATIONS_PYTHON" -m pytest --durations=10 tests/integrations tests/lightning/test_internals.py \
     tests/lightning/test_resume_mid_epoch.py -m "integrations or not (horovod or mpi)" "$@"
