@@ -29,7 +29,10 @@ submodules are synced. That covers ``pyro.module`` networks and
 module of the torch-native loop and a LightningModule. A module none of
 whose parameters this optimizer steps (a BatchNorm without ``affine``
 outside any trained module, a frozen network beside the trained one) is not
-covered: nothing tells the optimizer that it belongs to the run.
+covered: nothing tells the optimizer that it belongs to the run. The
+buffers are listed again only when the step's parameter names change, so
+a buffer registered after training started (rare: lazy modules register
+theirs at the first forward) joins when the parameters next change.
 
 Integer buffers (``num_batches_tracked``) are not averaged: every worker
 counts the same batches. :func:`~pyro_distributed.assert_in_sync` compares
