@@ -234,12 +234,14 @@ class PyroDistributedStrategy(CheckpointHooks):
     def _setup_workers(self) -> None:
         assert self.cluster_environment is not None
         if not self._launcher_starts_workers:
-            if self.cluster_environment.creates_processes_externally:
-                self._check_devices(self.cluster_environment.world_size())
+            if self.cluster_environment.creates_processes_externally:  # torchrun, mpiexec
+                workers = self.cluster_environment.world_size()
+                launch.check_devices(self.num_nodes, self.num_processes, workers, "the launcher")
             super().setup_environment()  # calls setup_distributed()
             return
         self._engine = runtime.init(self._engine_name)
-        self._check_devices(self._engine.world_size)
+        launcher = engine_class(self._engine_name).launcher
+        launch.check_devices(self.num_nodes, self.num_processes, self._engine.world_size, launcher)
         # Ranks from the engine, so that each worker takes its own device.
         self.cluster_environment = launch.LauncherEnvironment(self._engine, self.num_processes)
         super(DDPStrategy, self).setup_environment()  # the device alone
@@ -252,15 +254,6 @@ class PyroDistributedStrategy(CheckpointHooks):
         self._engine = runtime.init(self._engine_name)
         self._check_world_size()
         atexit.register(collectives.leave_together, self._engine)
-
-    def _check_devices(self, workers: int) -> None:
-        # torchrun, or mpiexec making a torch process group: Lightning's environment
-        launcher = (
-            engine_class(self._engine_name).launcher
-            if self._launcher_starts_workers
-            else "the launcher"
-        )
-        launch.check_devices(self.num_nodes, self.num_processes, workers, launcher)
 
     def _check_world_size(self) -> None:
         assert self._engine is not None
