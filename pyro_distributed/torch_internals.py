@@ -15,10 +15,17 @@ from collections import OrderedDict
 
 import torch
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.distributed_c10d import PrefixStore as _PrefixStore
 
-__all__ = ["PrefixStore", "flatten_dense", "grad_version", "init_optimizer_hooks"]
+__all__ = [
+    "PrefixStore",
+    "copy_all_",
+    "flatten_dense",
+    "grad_version",
+    "init_optimizer_hooks",
+    "unflatten_dense",
+]
 
 #: A store that prefixes every key. torch exports it from ``torch.distributed``
 #: but documents it nowhere; the torch engine uses it to give every attempt at
@@ -62,3 +69,24 @@ def flatten_dense(tensors: list[Tensor]) -> Tensor:
     """
     flat: Tensor = _flatten_dense_tensors(tensors)  # type: ignore[no-untyped-call]
     return flat
+
+
+def unflatten_dense(flat: Tensor, like: list[Tensor]) -> tuple[Tensor, ...]:
+    """Views into ``flat``, one per tensor of ``like``, shaped like it and laid
+    out back to back from the start of ``flat`` (values past them are ignored).
+
+    The inverse of :func:`flatten_dense` in one call into C++, where one
+    ``split`` and a ``view_as`` per tensor would cost a Python call each.
+    """
+    views: tuple[Tensor, ...] = _unflatten_dense_tensors(flat, like)  # type: ignore[no-untyped-call]
+    return views
+
+
+def copy_all_(targets: list[Tensor], sources: list[Tensor]) -> None:
+    """``target.copy_(source)`` for every pair, in one call into C++.
+
+    ``torch._foreach_copy_``: documented nowhere, and the only way to fill
+    a resident bucket's hundreds of views without a Python call each.
+    ``TypeError`` if a source is ``None``, ``RuntimeError`` if one is sparse.
+    """
+    torch._foreach_copy_(targets, sources)

@@ -210,3 +210,14 @@ def test_flatten_dense_copies_every_value_in_order_and_refuses_none_and_sparse()
         torch_internals.flatten_dense([None, b])  # type: ignore[list-item]
     with pytest.raises(RuntimeError):
         torch_internals.flatten_dense([b.to_sparse(), b])
+
+
+def test_unflatten_dense_gives_views_shaped_like_each_tensor_and_ignores_the_rest() -> None:
+    with reaching("torch._utils._unflatten_dense_tensors"):
+        like = [torch.zeros(2, 3), torch.zeros(()), torch.zeros(2)]
+        flat = torch.arange(12.0)  # 9 values for the tensors, then 3 more
+        views = torch_internals.unflatten_dense(flat, like)
+        assert [v.shape for v in views] == [(2, 3), (), (2,)]
+        assert [v.tolist() for v in views] == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], 6.0, [7.0, 8.0]]
+        flat[7] = -1.0
+        assert views[2][0] == -1.0, "a view, not a copy"

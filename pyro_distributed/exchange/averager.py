@@ -4,8 +4,9 @@ The buckets (:mod:`.layout`) go out in one call to the engine, so a step costs
 O(1) collectives however many parameters there are.
 
 After averaging, each parameter's ``.grad`` becomes a view into the averaged
-buffer: no copy back. Pyro's ``zero_grads`` replaces ``.grad`` with fresh
-zeros, so the buffer is released after the step.
+buffer: no copy back. Without compression the buffer and its views are kept
+from step to step (:mod:`.resident`); a compressed sum comes back as a new
+tensor, and the gradients take views of it.
 
 For the gradient noise scale (:mod:`pyro_distributed.optim.noise_scale`) the
 averager can also measure squared norms: each bucket then carries this
@@ -19,6 +20,7 @@ instead.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -28,6 +30,7 @@ from torch import Tensor
 
 from ..engines import Engine
 from .layout import Bucket, plan_buckets
+from .resident import ResidentBuffer
 
 __all__ = ["Compressor", "GradientAverager", "Reduction"]
 
@@ -108,6 +111,8 @@ class GradientAverager:
         self._average_sq: dict[int, Tensor] = {}
         self._plan_key: tuple[int, ...] = ()
         self.buckets: list[Bucket] = []
+        # Per bucket, its buffer kept from step to step (made at its first pack).
+        self._resident: list[ResidentBuffer | None] = []
         #: One collective name per bucket (Horovod pairs collectives by name).
         self.bucket_names: list[str] = []
         self._params: Sequence[Tensor] = ()
@@ -126,6 +131,7 @@ class GradientAverager:
                 f"pyro_distributed.grad.{names[b.members[0]]}+{len(b.members) - 1}"
                 for b in self.buckets
             ]
+            self._resident = [None] * len(self.buckets)
             self._plan_key = key
         # Kept as given (the step's tuple, the same object from step to step),
         # so that the identity test above answers the steady state at once.
@@ -136,7 +142,9 @@ class GradientAverager:
         """Bucket ``index`` as one flat tensor (:class:`~.layout.Bucket`), with
         ``riders`` riding along (see :meth:`sums_exactly`)."""
         bucket = self.buckets[index]
-        flat = bucket.pack(self._params, riders)
+        flat = self._pack_resident(index, riders)
+        if flat is None:
+            flat = bucket.pack(self._params, riders)
         if self.measure_norms:
             body = bucket.gradients(flat)
             if bucket.norm_slot:
@@ -144,6 +152,18 @@ class GradientAverager:
             else:
                 self._local_sq[index] = torch.dot(body, body).double()
         return flat
+
+    def _pack_resident(self, index: int, riders: Sequence[float]) -> Tensor | None:
+        """Bucket ``index`` packed into its resident buffer (:mod:`.resident`), or
+        ``None``. Only without compression: a compressed sum comes back as a new
+        tensor, whose own views the gradients must take."""
+        if self._reduction.compression is not None:
+            return None
+        bucket, resident = self.buckets[index], self._resident[index]
+        if resident is None or resident.riders != len(riders):
+            members = [self._params[i] for i in bucket.members]
+            resident = self._resident[index] = ResidentBuffer(bucket, members, len(riders))
+        return resident.pack(bucket.flags, bucket.riders_tensor(riders) if riders else None)
 
     def sums_exactly(self, index: int) -> bool:
         """Whether bucket ``index`` travels as a plain sum of float32 or float64 values,
@@ -186,25 +206,33 @@ class GradientAverager:
         averaged = self.decode(wire, context)
         return averaged if averaged is tensor else tensor.copy_(averaged)
 
-    def unpack(self, index: int, flat: Tensor) -> bool:
-        """Point each member's ``.grad`` into the averaged ``flat``; return whether it is finite."""
+    def unpack(self, index: int, flat: Tensor, tail: Sequence[float] | None = None) -> bool:
+        """Point each member's ``.grad`` into the averaged ``flat``; return whether it is finite.
+
+        :param tail: the bucket's :meth:`~.layout.Bucket.tail`, when the caller
+            has already read it (the flags only need to be positive, so the
+            tail of the summed wire, before decoding, serves as well).
+        """
         bucket = self.buckets[index]
         body = bucket.gradients(flat)
         if self.measure_norms:
             self._average_sq[index] = torch.dot(body, body).double()
             if bucket.norm_slot:
                 self._summed_sq[index] = bucket.norm(flat).double()
-        present = bucket.present(flat)
-        chunks = bucket.split_gradients(flat)
+        present = bucket.present(bucket.tail(flat) if tail is None else tail)
+        resident = self._resident[index]
+        views: Sequence[Tensor]
+        if resident is not None and flat is resident.buffer:
+            views = resident.views
+        else:
+            views = bucket.views(flat, self._params)
         params = self._params
         if all(present):
-            for member, chunk in zip(bucket.members, chunks, strict=True):
-                param = params[member]
-                param.grad = chunk.view_as(param)
+            for member, view in zip(bucket.members, views, strict=True):
+                params[member].grad = view
         else:
-            for slot, (member, chunk) in enumerate(zip(bucket.members, chunks, strict=True)):
-                param = params[member]
-                param.grad = chunk.view_as(param) if present[slot] else None
+            for slot, (member, view) in enumerate(zip(bucket.members, views, strict=True)):
+                params[member].grad = view if present[slot] else None
         # The gradients only: flags and riders are finite by construction, and
         # a squared norm that overflows must not make the step look non-finite.
         return _all_finite(body)
@@ -265,7 +293,7 @@ def _all_finite(flat: Tensor) -> bool:
     every value finite. A sum that is not finite may only have overflowed:
     then each value is checked.
     """
-    return bool(torch.isfinite(flat.sum())) or bool(torch.isfinite(flat).all())
+    return math.isfinite(flat.sum().item()) or bool(torch.isfinite(flat).all())
 
 
 def _scaled(tensor: Tensor, factor: float) -> Tensor:

@@ -58,9 +58,9 @@ class Bucket:
         gradient contributes zeros. The norm slot is left at zero for
         :meth:`set_norm`."""
         grads = [tensors[i].grad for i in self.members]
-        tail = [self._present_tail]
+        tail = [self.flags]
         if riders:
-            tail.append(torch.tensor(riders, dtype=self.dtype, device=self.device))
+            tail.append(self.riders_tensor(riders))
         try:
             # The common case, every member with a dense gradient: one copy in C++.
             flat = flatten_dense([*grads, *tail])  # type: ignore[list-item]
@@ -78,12 +78,22 @@ class Bucket:
         return flat.detach() if flat.requires_grad else flat
 
     @cached_property
-    def _present_tail(self) -> Tensor:
+    def flags(self) -> Tensor:
         """Every member present, and the norm slot at zero (made once, copied by pack)."""
         tail = torch.ones(len(self.members) + self.norm_slot, dtype=self.dtype, device=self.device)
         if self.norm_slot:
             tail[-1] = 0.0
         return tail
+
+    def riders_tensor(self, riders: Sequence[float]) -> Tensor:
+        """``riders`` as a tensor; the last step's when they are the same values, as
+        they are in the steady state (the digest unchanged, nothing stale)."""
+        values = tuple(riders)
+        last = self.__dict__.get("_last_riders")
+        if last is None or last[0] != values:
+            last = (values, torch.tensor(values, dtype=self.dtype, device=self.device))
+            self.__dict__["_last_riders"] = last  # frozen: a cache, as cached_property's
+        return last[1]
 
     def gradients(self, flat: Tensor) -> Tensor:
         """The gradient values of a packed (or summed) bucket."""
@@ -93,9 +103,23 @@ class Bucket:
         """The gradient values, one flat piece per member."""
         return torch.split(self.gradients(flat), self.numels)
 
-    def present(self, flat: Tensor) -> list[bool]:
-        """Per member, whether any worker contributed a gradient (after the sum)."""
-        return (flat[self.size : self.size + len(self.members)] > 0).tolist()
+    def views(self, flat: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """Per member, its gradient values in ``flat`` as a view shaped like the
+        member. (A split and a ``view_as`` each measured faster here, per
+        step, than ``unflatten_dense``, which :mod:`.resident` calls once.)"""
+        pieces = self.split_gradients(flat)
+        return [piece.view_as(tensors[i]) for i, piece in zip(self.members, pieces, strict=True)]
+
+    def tail(self, flat: Tensor) -> list[float]:
+        """Everything after the gradients, as Python floats, in one read: the
+        presence flags, the norm slot if any, the riders."""
+        values: list[float] = flat[self.size :].tolist()
+        return values
+
+    def present(self, tail: Sequence[float]) -> list[bool]:
+        """Per member, whether any worker contributed a gradient, from a summed
+        bucket's :meth:`tail`."""
+        return [flag > 0 for flag in tail[: len(self.members)]]
 
     def set_norm(self, flat: Tensor, value: Tensor) -> None:
         """Write this worker's squared norm into the norm slot."""
@@ -107,9 +131,9 @@ class Bucket:
         assert self.norm_slot, "this bucket has no norm slot"
         return flat[self.size + len(self.members)]
 
-    def riders(self, flat: Tensor) -> list[float]:
-        """The riders of a packed (or summed) bucket."""
-        return flat[self.size + len(self.members) + self.norm_slot :].tolist()
+    def riders(self, tail: Sequence[float]) -> list[float]:
+        """The riders, from a packed (or summed) bucket's :meth:`tail`."""
+        return list(tail[len(self.members) + self.norm_slot :])
 
 
 def plan_buckets(

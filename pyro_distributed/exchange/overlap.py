@@ -70,6 +70,8 @@ class _Sent:
     context: Any
     pending: Pending | None  # None once waited for
     grads: list[tuple[Tensor | None, int]]
+    #: The summed bucket's tail (flags, riders), once read (the carrier's).
+    tail: list[float] | None = None
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -171,8 +173,10 @@ class BackwardOverlap:
         self._send(self._carrier, header)
         sent = self._sent[self._carrier]
         sent.wait()
-        # The carrier's sum is exact and unscaled (see _arm): its riders need no decoding.
-        return self._averager.buckets[self._carrier].riders(sent.wire)
+        # The carrier's sum is exact and unscaled (see _arm): its riders need no
+        # decoding, and its flags serve unpack as they are.
+        sent.tail = self._averager.buckets[self._carrier].tail(sent.wire)
+        return self._averager.buckets[self._carrier].riders(sent.tail)
 
     def _is_stale(self, index: int) -> bool:
         if index == self._carrier:
@@ -197,7 +201,7 @@ class BackwardOverlap:
             sent = self._sent[index]
             sent.wait()
             flat = self._averager.decode(sent.wire, sent.context)
-            finite &= self._averager.unpack(index, flat)
+            finite &= self._averager.unpack(index, flat, sent.tail)
         self._sent.clear()
         return finite
 
@@ -249,14 +253,16 @@ class BackwardOverlap:
             _remove(self._hooks)
 
     def _new_step(self) -> None:
+        self._next = 0
+        self._sent = {}
+        if not self._hooks:
+            return  # nothing counts accumulations (removed once armed, see _arm)
         if self._fires != self._expected:
             # A parameter that got no gradient this step keeps its old expectation.
             self._expected = [f or e for f, e in zip(self._fires, self._expected, strict=True)]
         self._fires = [0] * len(self._params)
         self._waiting = self._sizes.copy()
         self._observed = []
-        self._next = 0
-        self._sent = {}
 
     def accumulated(self, index: int) -> None:
         """Parameter ``index`` received a gradient (called from its hook)."""
@@ -282,13 +288,14 @@ class BackwardOverlap:
 
     def _send(self, index: int, riders: Sequence[float] = ()) -> None:
         assert self._channel is not None
-        with torch.no_grad():
-            flat = self._averager.pack(index, riders)
-            # The carrier is packed at the call, after every backward pass: it
-            # cannot go stale, and needs no stamps.
-            members = () if index == self._carrier else self._averager.buckets[index].members
-            grads = [_grad_stamp(self._params[i]) for i in members]
-            wire, context = self._averager.encode(flat)
+        # No torch.no_grad() needed: pack returns a detached tensor, and
+        # everything after works on it.
+        flat = self._averager.pack(index, riders)
+        # The carrier is packed at the call, after every backward pass: it
+        # cannot go stale, and needs no stamps.
+        members = () if index == self._carrier else self._averager.buckets[index].members
+        grads = [_grad_stamp(self._params[i]) for i in members]
+        wire, context = self._averager.encode(flat)
         name = self._averager.bucket_names[index]
         pending = self._channel.allreduce_async_(wire, "sum", name)
         self._sent[index] = _Sent(wire, context, pending, grads)

@@ -29,11 +29,13 @@ proposal and the same step tuples, the averager and the overlap see those
 tuples by identity and keep their buckets and hooks, and nothing is renamed,
 sorted, hashed or planned again; a bucket is packed by one flatten in C++.
 The digest still rides in every header, so a worker whose tensors changed
-is caught at that very step, and every worker re-plans together. Gradients
-are written back as views into the averaged bucket, not copied; they are not
-kept in the bucket between steps (DDP's ``gradient_as_bucket_view``), since
-Pyro replaces every ``.grad`` with fresh zeros after a step and torch's
-``zero_grad`` sets it to ``None``: the one copy into the bucket is the floor.
+is caught at that very step, and every worker re-plans together. Each
+bucket keeps its buffer from step to step, with one view per member made
+once (:mod:`.resident`, as DDP's ``gradient_as_bucket_view``): a step copies
+the gradients in with one call, and points each ``.grad`` at the view it had
+last step. Pyro replaces every ``.grad`` with fresh zeros after a step and
+torch's ``zero_grad`` sets it to ``None``, so the one copy into the bucket
+is the floor.
 """
 
 from __future__ import annotations

@@ -70,12 +70,12 @@ def test_a_packed_bucket_is_gradients_then_flags_then_norm_then_riders() -> None
         [0.0] * 4,
         [5.0],
     ]
-    assert bucket.present(flat) == [True, False, True]
-    assert bucket.riders(flat) == [7.0, 8.0]
+    assert bucket.present(bucket.tail(flat)) == [True, False, True]
+    assert bucket.riders(bucket.tail(flat)) == [7.0, 8.0]
     bucket.set_norm(flat, torch.tensor(30.0))
     assert bucket.norm(flat) == 30.0
     assert flat[bucket.size + 3] == 30.0, "the norm slot follows the flags"
-    assert bucket.riders(flat) == [7.0, 8.0], "riders stay where they were"
+    assert bucket.riders(bucket.tail(flat)) == [7.0, 8.0], "riders stay where they were"
 
 
 def test_summed_buckets_say_which_members_any_worker_had() -> None:
@@ -83,8 +83,8 @@ def test_summed_buckets_say_which_members_any_worker_had() -> None:
     theirs = _with_grads(None, None, torch.ones(1))
     (bucket,) = plan_buckets(mine, cap_bytes=1 << 20)
     summed = bucket.pack(mine, riders=[1.0]) + bucket.pack(theirs, riders=[2.0])
-    assert bucket.present(summed) == [True, False, True]
-    assert bucket.riders(summed) == [3.0]
+    assert bucket.present(bucket.tail(summed)) == [True, False, True]
+    assert bucket.riders(bucket.tail(summed)) == [3.0]
 
 
 def test_without_a_norm_slot_riders_follow_the_flags_and_norms_are_refused() -> None:
@@ -92,7 +92,7 @@ def test_without_a_norm_slot_riders_follow_the_flags_and_norms_are_refused() -> 
     (bucket,) = plan_buckets(tensors, cap_bytes=1 << 20)
     flat = bucket.pack(tensors, riders=[4.0])
     assert len(flat) == bucket.size + 3 + 1
-    assert bucket.riders(flat) == [4.0]
+    assert bucket.riders(bucket.tail(flat)) == [4.0]
     with pytest.raises(AssertionError, match="no norm slot"):
         bucket.norm(flat)
 
