@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch
@@ -70,37 +70,61 @@ def check_state_fits(optimizer: torch.optim.Optimizer, local: dict[str, Tensor])
 
 
 class GradStamps:
-    """Each parameter's gradient as its last backward pass left it, to notice
-    changes made to it afterwards (by clipping, say)."""
+    """The gradients of a few parameters as their last backward pass left them,
+    to notice changes made to them afterwards (by clipping, say).
+
+    Only a sample is watched: at most :attr:`SAMPLE` parameters, spread evenly
+    over the list. A hook is a call into Python per parameter per backward
+    pass, which on hundreds of small parameters cost more than the exchange
+    itself; what this looks for (``clip_grad_norm_``, a rescale of every
+    gradient) changes every gradient, so a sample sees it.
+    """
+
+    #: The most parameters watched.
+    SAMPLE = 8
 
     def __init__(self) -> None:
         self._stamps: dict[int, tuple[Tensor, int]] = {}
         self._hooks: dict[int, RemovableHandle] = {}
+        self._given: Sequence[Tensor] = ()
+        self._watched: list[Tensor] = []
 
     def watch(self, params: Sequence[Tensor]) -> None:
-        for param in params:
+        """Watch a sample of ``params`` (at once when it is the list watched already)."""
+        if params is self._given:
+            return
+        self._given = params
+        stride = max(1, -(-len(params) // self.SAMPLE))
+        sample = list(params[::stride])
+        kept = {id(param) for param in sample}
+        for key in [key for key in self._hooks if key not in kept]:
+            self._hooks.pop(key).remove()
+            self._stamps.pop(key, None)
+        for param in sample:
             if id(param) not in self._hooks:
                 self._hooks[id(param)] = param.register_post_accumulate_grad_hook(self._stamp)  # type: ignore[no-untyped-call]
+        self._watched = sample
 
     def unwatch(self) -> None:
-        """Remove every hook (one worker has no average to clip)."""
+        """Remove every hook (one worker has no average to clip; or warned already)."""
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
         self._stamps.clear()
+        self._given, self._watched = (), []
 
     def _stamp(self, param: Tensor) -> None:
         if param.grad is not None:
             self._stamps[id(param)] = (param.grad, grad_version(param.grad))
 
-    def changed(self, named: Iterator[tuple[str, Tensor]]) -> str | None:
-        """The name of the first watched parameter whose gradient changed since its
-        last backward pass, if any."""
-        for name, param in named:
+    def changed(self) -> Tensor | None:
+        """The first watched parameter whose gradient changed since its last
+        backward pass, if any."""
+        for param in self._watched:
             stamp = self._stamps.pop(id(param), None)
             grad = param.grad
             if stamp is None or grad is None:
                 continue
             if grad is not stamp[0] or grad_version(grad) != stamp[1]:
-                return repr(name)
+                return param
         return None

@@ -142,6 +142,8 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         self._synchronized: Stepped | None = None
         self._stamps = GradStamps()
         self._warned_changed = False
+        self._named_key: tuple[tuple[int, ...], ...] = ()
+        self._named: dict[str, Tensor] = {}
         # Swaps the rows of local_updates="sparse" parameters in (optim.sparse_step).
         self._sparse = TorchSparseStepper(optimizer)
         # Watch from the start, as a run of several workers will (see _bound).
@@ -250,7 +252,8 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         self._step.finish(
             stepped, lambda _: self._step_wrapped(stepped.sparse), self, self.named_parameters
         )
-        self._stamps.watch(stepped.exchanged.tensors)
+        if not self._warned_changed:
+            self._stamps.watch(stepped.exchanged.tensors)
         return loss
 
     def _step_wrapped(self, sparse: list[RowGradients]) -> None:
@@ -264,11 +267,19 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         # First: an optimizer without a lazy rule is refused before anything travels.
         sparse = self._sparse.take()
         return self._step.exchange(
-            dict(self.named_parameters()),
+            self._named_now(),
             self._catalog,
             sparse,
             check_local=lambda local: check_state_fits(self.wrapped, local),
         )
+
+    def _named_now(self) -> dict[str, Tensor]:
+        """:meth:`named_parameters` as a dict; the last step's dict while every
+        group holds the same tensors (names are positions: nothing to format)."""
+        key = tuple(tuple(map(id, group["params"])) for group in self.wrapped.param_groups)
+        if key != self._named_key:
+            self._named_key, self._named = key, dict(self.named_parameters())
+        return self._named
 
     def _catalog(self) -> dict[str, Tensor]:
         replicated, _ = split_local(dict(self.named_parameters()))
@@ -277,11 +288,13 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
     def _warn_if_changed_since_backward(self) -> None:
         if self._warned_changed:
             return
-        changed = self._stamps.changed(self.named_parameters())
-        if changed:
+        changed = self._stamps.changed()
+        if changed is not None:
             self._warned_changed = True
+            self._stamps.unwatch()  # shown once: the hooks have nothing more to say
+            name = next(name for name, param in self.named_parameters() if param is changed)
             warnings.warn(
-                f"the gradient of {changed} changed after backward() and before step() "
+                f"the gradient of {name!r} changed after backward() and before step() "
                 f"(by clip_grad_norm_, say): that change acted on this worker's own gradient, "
                 f"before averaging. To clip the averaged gradient, call "
                 f"optimizer.synchronize() before clipping. (Shown once.)",

@@ -41,10 +41,28 @@ def test_grad_stamps_notice_a_change_after_backward_but_not_an_accumulation() ->
     stamps.watch([param])
     (param * 2).sum().backward()
     (param * 3).sum().backward()  # a second backward pass is not a change
-    assert stamps.changed(iter([("w", param)])) is None
+    assert stamps.changed() is None
     (param * 2).sum().backward()
     torch.nn.utils.clip_grad_norm_([param], 0.1)  # in place, after backward
-    assert stamps.changed(iter([("w", param)])) == "'w'"
+    assert stamps.changed() is param
+
+
+def test_grad_stamps_watch_a_bounded_sample_that_still_sees_a_clip() -> None:
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(100)]
+    stamps = GradStamps()
+    stamps.watch(params)
+    hooked = [p for p in params if p._post_accumulate_grad_hooks]
+    assert len(hooked) == GradStamps.SAMPLE, "one hook per sampled parameter, not per parameter"
+    assert hooked[0] is params[0], "spread from the first parameter on"
+    sum((p * 2).sum() for p in params).backward()
+    assert stamps.changed() is None
+    sum((p * 2).sum() for p in params).backward()
+    torch.nn.utils.clip_grad_norm_(params, 0.1)
+    assert stamps.changed() is params[0]
+    stamps.watch(params[:3])  # a new list: hooks move to its sample
+    assert sum(bool(p._post_accumulate_grad_hooks) for p in params) == 3
+    stamps.unwatch()
+    assert not any(p._post_accumulate_grad_hooks for p in params)
 
 
 def test_check_state_fits_refuses_state_made_for_all_the_rows() -> None:
