@@ -52,6 +52,35 @@ def test_gradients_are_the_same_views_step_after_step_and_bitwise_the_average() 
         assert result["same_views"] == [True, True], "views made once, not per step"
 
 
+def resident_against_a_new_tensor() -> bool:
+    """Three steps through the resident buffer; the last one again by the old
+    path (a new tensor from ``Bucket.pack``, the same encode, sum and decode)."""
+    engine = pd.current_engine()
+    params = [torch.zeros(shape, requires_grad=True) for shape in SHAPES]
+    averager = GradientAverager(engine, 2**20, Reduction())
+    names = [f"p{i}" for i in range(len(params))]
+    for step in range(3):
+        for param, grad in zip(params, _grads(pd.rank(), step), strict=True):
+            param.grad = grad
+        if step == 2:
+            bucket = averager.buckets[0]
+            wire, context = averager.encode(bucket.pack(params))
+            engine.allreduce_([wire], op="sum")
+            expected = bucket.split_gradients(averager.decode(wire, context))
+        assert averager.average_(names, params)
+    return all(
+        torch.equal(param.grad.reshape(-1), want)  # type: ignore[union-attr]
+        for param, want in zip(params, expected, strict=True)
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_resident_buffers_average_bitwise_as_a_new_tensor_per_step(world_size: int) -> None:
+    # At W=3 the mean multiplies by 1/3, which is not exact: the same bytes in
+    # and the same operations are what make the two paths agree.
+    assert run_workers(resident_against_a_new_tensor, world_size=world_size) == [True] * world_size
+
+
 def zeroed_in_place(set_to_none: bool) -> list[torch.Tensor]:
     """Gradients zeroed in place or set to None, a bucket per parameter so that
     buckets leave during backward, and one or two backward passes a step: a
