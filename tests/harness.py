@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import random
 import shutil
 import signal
 import socket
@@ -58,10 +59,33 @@ class WorkerFailure(AssertionError):
         super().__init__(f"{len(reports)} worker(s) failed\n{body}")
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port on 127.0.0.1 that binds now and that no outgoing connection can take.
+
+    Asking the kernel for port 0 returns an *ephemeral* port, the same pool
+    that every client socket draws from: between closing it here and a worker
+    listening on it, a gloo or store connection elsewhere could take it (CI
+    once failed with EADDRINUSE that way). Ports below the ephemeral range are
+    only ever taken by a listener that asked for them by number.
+    """
+    low, high = _ephemeral_range()
+    candidates = [port for port in range(20000, 32768) if not low <= port <= high]
+    for port in random.sample(candidates, 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))  # no SO_REUSEADDR: TIME_WAIT counts as taken
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 20000-32767 outside the ephemeral range {low}-{high}")
 
 
 def run_script(
