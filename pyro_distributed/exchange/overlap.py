@@ -147,12 +147,17 @@ class BackwardOverlap:
         """Prepare the next step; called on every worker after every step, with its parameters."""
         # The steady state hands over the very same tuples: no comparison needed.
         same = names is self._names and params is self._params
-        if not same and (
-            names != self._names
-            or any(a is not b for a, b in zip(params, self._params, strict=True))
-        ):
-            self._install(names, params)
-        elif self._phase == "observing":
+        if not same:
+            if names != self._names or any(
+                a is not b for a, b in zip(params, self._params, strict=True)
+            ):
+                self._install(names, params)
+                self._new_step()
+                return
+            # Equal, in new tuples (a new proposal after a parameter was
+            # synchronised): keep these, so that the next step is "same" at once.
+            self._names, self._params = names, params
+        if self._phase == "observing":
             self._arm()
         self._new_step()
 

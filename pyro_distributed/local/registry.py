@@ -23,6 +23,7 @@ __all__ = [
     "LocalParam",
     "any_registered",
     "forget",
+    "generation",
     "local_of",
     "local_param",
     "local_params",
@@ -68,6 +69,14 @@ _in_modules: dict[int, tuple[str, Any]] = {}
 # only rows its gradient can be non-zero in (Pyro's SVI zeroes gradients after
 # each step), so the only ones the optimizer needs to scale and check.
 _touched: dict[str, list[Tensor]] = {}
+# Counts changes to which tensors are local (not to the rows touched): a step
+# that saw the same generation and the same tensors may reuse last step's split.
+_generation = 0
+
+
+def generation() -> int:
+    """A number that changes whenever a tensor becomes, or stops being, local."""
+    return _generation
 
 
 def local_param(name: str, tensor: Tensor | None = None) -> LocalParam | None:
@@ -127,6 +136,15 @@ def register(
     tensor = module_tensor if module_tensor is not None else stored_unconstrained(param.name)
     if tensor is None:
         raise KeyError(f"no parameter named {param.name!r} in the param store")
+    entry = _local.get(param.name)
+    if entry is not None and entry[1]() is tensor:
+        # Read again at every step: recorded already, for this very tensor
+        # (and so, as checked above, with this plate).
+        if module_tensor is not None:
+            _in_modules[id(module_tensor)] = (param.name, constraint)
+        return
+    global _generation
+    _generation += 1
     if module_tensor is not None:
         _in_modules[id(module_tensor)] = (param.name, constraint)
         weakref.finalize(module_tensor, _in_modules.pop, id(module_tensor), None)
@@ -135,6 +153,8 @@ def register(
 
 def forget(names: Iterable[str]) -> None:
     """Drop the record of these parameters (after a checkpoint replaced them)."""
+    global _generation
+    _generation += 1
     for name in names:
         entry = _local.pop(name, None)
         tensor = entry[1]() if entry is not None else None

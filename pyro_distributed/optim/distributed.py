@@ -198,6 +198,7 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         self._stepper = GroupedStepper(pyro_optim) if grouped else None
         # Steps the rows of local_updates="sparse" parameters (optim.sparse_step).
         self._sparse = SparseStepper(pyro_optim)
+        self._store_names = _StoreNames()
         self._step = DataParallelStep(engine, options, "param store")
 
     @property
@@ -226,7 +227,7 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         if not step.start():
             self._step_wrapped(params, sparse, args, kwargs)
             return
-        stepped = step.exchange(_by_store_name(params), _param_store, sparse)
+        stepped = step.exchange(self._store_names(params), _param_store, sparse)
         step.finish(
             stepped,
             lambda tensors: self._step_wrapped(tensors, sparse, args, kwargs),
@@ -265,6 +266,7 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         """
         self.wrapped.optim_objs.clear()
         self.wrapped.grad_clip.clear()
+        self._store_names.forget()
         self._step.forget()
         if self._stepper is not None:
             self._stepper.forget()
@@ -292,6 +294,33 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
 # torch.optim.Optimizer, not a PyroOptim, and inherits nothing from this
 # class; isinstance(optim, DistributedTorchOptimizer) tells the two apart.
 DistributedOptimizer.register(DistributedTorchOptimizer)
+
+
+class _StoreNames:
+    """The tensors SVI hands the optimizer, by their param-store names.
+
+    SVI hands over a new set of the same tensors at every step. While the
+    tensors are the same (one comparison of their ids, in C), this returns
+    the same dict, which the step recognises at once and so skips naming,
+    splitting and agreeing per tensor (``DataParallelStep.exchange``). The
+    tensors of the last call are held, so that their ids cannot be reused.
+    """
+
+    def __init__(self) -> None:
+        self._ids: frozenset[int] = frozenset()
+        self._held: list[Tensor] = []
+        self._named: dict[str, Tensor] = {}
+
+    def __call__(self, params: list[Tensor]) -> dict[str, Tensor]:
+        ids = frozenset(map(id, params))
+        if ids != self._ids or not ids:
+            self._named = _by_store_name(params)  # a new dict: never changed once handed over
+            self._ids, self._held = ids, params
+        return self._named
+
+    def forget(self) -> None:
+        """Name the tensors again at the next call (after the param store was reloaded)."""
+        self._ids, self._held, self._named = frozenset(), [], {}
 
 
 def _by_store_name(params: Iterable[Tensor]) -> dict[str, Tensor]:

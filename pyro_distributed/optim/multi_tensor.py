@@ -128,10 +128,12 @@ class GroupedStepper:
         self._group_of[param] = group
 
     def step(self, params: Iterable[Tensor]) -> None:
-        params = tuple(params)
-        ids = tuple(map(id, params))
-        if ids != self._last[1]:  # else the same tensors as last call: the same plan
-            self._last, self._plan = (params, ids), self._make_plan(params)
+        params = tuple(params)  # the same object when given a tuple
+        if params is not self._last[0]:  # the step's own tuple, steady: the same plan
+            ids = tuple(map(id, params))
+            if ids != self._last[1]:  # else the same tensors as last call: the same plan
+                self._plan = self._make_plan(params)
+            self._last = (params, ids)
         for group, hideable in self._plan:
             if not hideable:
                 group.step()

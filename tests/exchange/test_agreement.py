@@ -218,3 +218,18 @@ def test_the_same_tensors_under_the_same_names_reuse_the_proposal() -> None:
     assert again is not steady and again.digest == steady.digest
     agreement.forget()
     assert agreement.propose({"b": b, "a": a}).new == ("a", "b")
+
+
+def test_the_very_same_mapping_handed_over_again_is_recognised_until_a_sync() -> None:
+    agreement = ParameterAgreement(pd.current_engine(), cap_bytes=1 << 20)
+    a, b = torch.zeros(3), torch.zeros(2)
+    given = {"b": b, "a": a}
+    first = agreement.propose(given)
+    assert agreement.propose(given) is first
+    # Synchronising changes what is new: the same mapping must not get the old answer.
+    agreement.settle(first, lambda: given)
+    steady = agreement.propose(given)
+    assert steady is not first and steady.new == ()
+    assert agreement.propose(given) is steady
+    agreement.forget()
+    assert agreement.propose(given).new == ("a", "b")
