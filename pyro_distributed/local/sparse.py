@@ -106,6 +106,7 @@ __all__ = [
     "LOCAL_UPDATES",
     "LocalUpdates",
     "RowGradients",
+    "any_pending",
     "check_local_updates",
     "clear_gradients",
     "draw_rows",
@@ -259,6 +260,12 @@ class RowGradients:
     grad: Tensor
 
 
+def any_pending() -> bool:
+    """Whether any sparse read waits for a step (a cheap first test: without
+    one, no optimizer needs to look at its parameters for rows)."""
+    return bool(_pending)
+
+
 def take_gradients(params: list[Tensor]) -> tuple[list[Tensor], list[RowGradients]]:
     """Split ``params`` into (the rest, the row gradients of sparse local parameters).
 
@@ -304,6 +311,8 @@ def clear_gradients(tensors: Iterable[Tensor]) -> None:
     The reads themselves stay recorded, so that a loss computed before
     ``zero_grad()`` and backpropagated after it is stepped, as it is dense.
     """
+    if not _pending:
+        return
     ids = {id(tensor) for tensor in tensors}
     for entry in _pending.values():
         if id(entry.tensor()) in ids:

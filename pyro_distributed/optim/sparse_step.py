@@ -342,6 +342,8 @@ class TorchSparseStepper:
     def take(self) -> list[RowGradients]:
         """The row gradients of the optimizer's sparse local parameters, consumed;
         refuses an optimizer or option without a lazy rule before anything is stepped."""
+        if not sparse_local.any_pending():
+            return []  # no O(parameters) list to build at every step
         _, sparse = sparse_local.take_gradients(self._params())
         if sparse:
             group_of = {
@@ -360,4 +362,5 @@ class TorchSparseStepper:
 
     def zero_grad(self) -> None:
         """Drop the gradients recorded for the sparse rows, as ``zero_grad`` drops ``.grad``."""
-        sparse_local.clear_gradients(self._params())
+        if sparse_local.any_pending():
+            sparse_local.clear_gradients(self._params())
