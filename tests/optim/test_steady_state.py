@@ -57,8 +57,11 @@ def _passes_per_phase(late_on: tuple[int, ...]) -> tuple[list[dict[str, int]], d
     return seen, param_values()
 
 
-def test_a_steady_step_makes_no_per_tensor_pass_and_a_new_parameter_is_still_seen() -> None:
-    results = run_workers(_passes_per_phase, (0, 1))
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_steady_step_makes_no_per_tensor_pass_and_a_new_parameter_is_still_seen(
+    world_size: int,
+) -> None:
+    results = run_workers(_passes_per_phase, tuple(range(world_size)), world_size=world_size)
     for seen, _ in results:
         settled, steady, grown = seen
         assert steady == settled, "steps 4-8 named, split or agreed per tensor again"
@@ -66,10 +69,12 @@ def test_a_steady_step_makes_no_per_tensor_pass_and_a_new_parameter_is_still_see
         for name in ("_by_store_name", "split_local"):
             assert grown[name] == steady[name] + 1, name
         assert grown["digest_int"] > steady["digest_int"]
-    (_, first), (_, second) = results
-    assert first.keys() == second.keys() == {"w", "late"}
-    for name in first:
-        assert torch.equal(first[name], second[name]), name
+    _, first = results[0]
+    assert first.keys() == {"w", "late"}
+    for rank, (_, other) in enumerate(results[1:], start=1):
+        assert other.keys() == first.keys()
+        for name in first:
+            assert torch.equal(first[name], other[name]), f"{name!r} differs on worker {rank}"
 
 
 def test_a_parameter_new_on_one_worker_only_is_caught_at_that_step_in_the_steady_state() -> None:
