@@ -78,7 +78,7 @@ def free_port() -> int:
     """
     low, high = _ephemeral_range()
     candidates = [port for port in range(20000, 32768) if not low <= port <= high]
-    for port in random.sample(candidates, 200):
+    for port in random.sample(candidates, min(200, len(candidates))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))  # no SO_REUSEADDR: TIME_WAIT counts as taken

@@ -313,7 +313,7 @@ class _StoreNames:
 
     def __call__(self, params: list[Tensor]) -> dict[str, Tensor]:
         ids = frozenset(map(id, params))
-        if ids != self._ids or not ids:
+        if ids != self._ids:
             self._named = _by_store_name(params)  # a new dict: never changed once handed over
             self._ids, self._held = ids, params
         return self._named
