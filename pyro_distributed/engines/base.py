@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Literal
 from torch import Tensor
 
 from ..errors import PyroDistributedError
+from .probes import UNREACHABLE, Peer, remote_losses
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -138,7 +139,7 @@ class Engine(abc.ABC):
         self._health = _Health()
         #: Where every worker lives, ``(host, pid)`` by rank, once
         #: :meth:`_learn_peers` ran: to name the lost ones when a collective fails.
-        self._peers: list[tuple[str, int]] = []
+        self._peers: list[Peer] = []
 
     @staticmethod
     def detected() -> bool:
@@ -166,24 +167,42 @@ class Engine(abc.ABC):
 
     def _learn_peers(self) -> None:
         """Record where every worker lives (a collective, made once at start)."""
-        self._peers = self.allgather_object((socket.gethostname(), os.getpid()))
+        self._peers = [
+            Peer(*entry)
+            for entry in self.allgather_object(
+                (socket.gethostname(), os.getpid(), *self._probe_address())
+            )
+        ]
+
+    def _probe_address(self) -> tuple[str | None, int | None]:
+        """Where other hosts can probe this worker's process (an address and a
+        port that accepts connections while it lives), or ``(None, None)`` for
+        an engine that knows of no such place; see :mod:`.probes`."""
+        return None, None
 
     def lost_workers(self, grace: float = 0.0) -> list[str]:
-        """Workers on this machine whose process has exited, described for a message.
+        """Workers whose process has exited, or whose host cannot be reached,
+        described for a message.
 
-        Peers on other machines cannot be checked from here; losing one shows
-        as the time-out. ``grace`` keeps looking (every 0.1 s) for a peer still
-        tearing down; ``0`` looks once, which is what a check on a healthy
-        path wants. Empty for an engine that never learnt where its peers are.
+        Peers on this machine are looked up by pid; peers on other hosts are
+        probed where the engine gave them a probe address (:mod:`.probes`,
+        bounded by a second), and otherwise show only as the time-out.
+        ``grace`` keeps looking (every 0.1 s) for a peer still tearing down;
+        ``0`` looks once, which is what a check on a healthy path wants. Empty
+        for an engine that never learnt where its peers are.
         """
         here = socket.gethostname()
-        local = [(r, pid) for r, (host, pid) in enumerate(self._peers) if host == here]
+        local = [(r, peer.pid) for r, peer in enumerate(self._peers) if peer.host == here]
         deadline = time.monotonic() + grace
         while True:
             lost = [f"worker {r} (pid {pid})" for r, pid in local if not process_is_alive(pid)]
             if lost or not local or time.monotonic() >= deadline:
-                return lost
+                break
             time.sleep(0.1)
+        remote = {r: peer for r, peer in enumerate(self._peers) if peer.host != here}
+        if remote and grace > 0:  # the failure path: probing costs up to a second
+            lost += remote_losses(remote)
+        return lost
 
     def _diagnosis(self) -> str:
         """What probably went wrong, for the message of a failed collective."""
@@ -284,4 +303,6 @@ class Engine(abc.ABC):
 
 def describe_lost(lost: Sequence[str]) -> str:
     """``"worker 1 (pid 42) has exited"``, for one lost worker or several."""
-    return f"{', '.join(lost)} {'has' if len(lost) == 1 else 'have'} exited"
+    exited = [entry for entry in lost if not entry.endswith(UNREACHABLE)]
+    said = [f"{', '.join(exited)} {'has' if len(exited) == 1 else 'have'} exited"] if exited else []
+    return "; ".join(said + [entry for entry in lost if entry.endswith(UNREACHABLE)])

@@ -17,6 +17,7 @@ the transport can pipeline them; every wait is bounded by the time-out.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import warnings
 from collections.abc import Sequence
@@ -33,6 +34,9 @@ from ..devices import cuda_device_index, cuda_transport, this_gpu
 from ..errors import PyroDistributedError
 from ..torch_internals import PrefixStore
 from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
+from .launchers import mpi_launcher_present, slurm_step, torch_rendezvous_from_slurm
+from .network import advertised_address, check_peer_addresses, choose_gloo_interface, is_loopback
+from .probes import open_probe_socket
 
 __all__ = ["TorchEngine"]
 
@@ -65,10 +69,13 @@ class TorchEngine(Engine):
 
     @staticmethod
     def detected() -> bool:
-        """Whether this process was launched by torchrun or already joined a group."""
+        """Whether this process was launched by torchrun, already joined a
+        group, or is a task of a ``srun`` step that MPI could not join (no PMI)."""
         if dist.is_available() and dist.is_initialized():
             return True
-        return all(variable in os.environ for variable in _TORCHRUN_VARIABLES)
+        if all(variable in os.environ for variable in _TORCHRUN_VARIABLES):
+            return True
+        return slurm_step() and not mpi_launcher_present()
 
     def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         if not dist.is_available():
@@ -76,51 +83,76 @@ class TorchEngine(Engine):
                 "engine='torch' needs a torch build with torch.distributed; this one has none"
             )
         super().__init__(timeout)
+        self._probe_socket: socket.socket | None = None
         self._owns_group = not dist.is_initialized()
+        self._local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
         if self._owns_group:
             missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
-            if missing:
+            if missing and slurm_step():
+                slurm = torch_rendezvous_from_slurm()
+                self._local_rank = slurm.local_rank
+                self._join_group(timeout, slurm.url, slurm.address, slurm.port)
+            elif missing:
                 raise PyroDistributedError(
                     f"engine='torch' found no process group and no torchrun environment "
                     f"(missing {', '.join(missing)}). Launch with `torchrun --nproc-per-node N "
                     f"script.py`, or call torch.distributed.init_process_group() first."
                 )
-            self._join_group(timeout)
+            else:
+                master = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+                self._join_group(timeout, "env://", *master)
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
-        self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
+        if self._local_rank < 0:
+            self._local_rank = self._rank
         self._backend = str(dist.get_backend())
         self._cpu_group = self._group_for_cpu_tensors()
         self._cuda_group: Any = None  # the default group, when it has NCCL
         self._learn_peers()
         self._cuda_backend = self._transport_for_cuda_tensors()
 
-    def _join_group(self, timeout: timedelta) -> None:
-        """Join the group torchrun describes, with keys unique to this restart.
+    def _join_group(self, timeout: timedelta, url: str, master_addr: str, port: int) -> None:
+        """Join the group at ``url`` (torchrun's ``env://``, or a Slurm step's
+        ``tcp://``), with keys unique to this restart, over an interface that
+        the other hosts can reach.
 
         After ``torchrun --max-restarts`` restarts a job, the rendezvous store
         still holds the previous attempt's connection keys, and workers that
         read them dial peers that no longer exist. A prefix per restart round
-        keeps every attempt's keys apart.
+        keeps every attempt's keys apart. Before gloo connects, every worker
+        checks that no worker would advertise a loopback address to another
+        host (:mod:`.network`): gloo's own connect would wait unbounded.
         """
-        store, rank, world_size = next(rendezvous("env://", timeout=timeout))
+        store, rank, world_size = next(rendezvous(url, timeout=timeout))
         store.set_timeout(timeout)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = PrefixStore(f"pyro_distributed/attempt{attempt}", store)
+        if world_size > 1:
+            choose_gloo_interface(master_addr, port)
+            check_peer_addresses(store, rank, world_size)
         dist.init_process_group(
-            backend=self._default_backend(),
-            store=PrefixStore(f"pyro_distributed/attempt{attempt}", store),
+            backend=self._default_backend(max(self._local_rank, 0)),
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=timeout,
         )
 
     @staticmethod
-    def _default_backend() -> str:
+    def _default_backend(local_rank: int) -> str:
         if torch.cuda.is_available() and dist.is_nccl_available():
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(cuda_device_index(local_rank, torch.cuda.device_count()))
             return "cpu:gloo,cuda:nccl"
         return "gloo"
+
+    def _probe_address(self) -> tuple[str | None, int | None]:
+        """The address gloo gives its peers, where other hosts can reach it."""
+        address = advertised_address().address
+        if self._world_size == 1 or address is None or is_loopback(address):
+            return None, None  # one host, or an address only this host can reach
+        self._probe_socket = open_probe_socket(address)
+        port: int = self._probe_socket.getsockname()[1]
+        return address, port
 
     def _group_for_cpu_tensors(self) -> Any:
         """The group that carries CPU tensors and pickled objects.
@@ -220,6 +252,9 @@ class TorchEngine(Engine):
             )
 
     def shutdown(self) -> None:
+        if self._probe_socket is not None:
+            self._probe_socket.close()
+            self._probe_socket = None
         if not (self._owns_group and dist.is_initialized()):
             return
         # On a clean exit, tear down together: a gloo group destroyed while a

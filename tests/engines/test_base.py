@@ -16,6 +16,7 @@ import torch
 
 from pyro_distributed.engines import ENGINE_NAMES, Engine, engine_class
 from pyro_distributed.engines.local import LocalEngine
+from pyro_distributed.engines.probes import Peer
 
 
 def test_an_engine_with_neither_allreduce_is_refused_when_the_class_is_made() -> None:
@@ -60,7 +61,7 @@ def test_lost_workers_names_a_peer_on_this_machine_whose_process_exited() -> Non
     engine = LocalEngine()
     here = socket.gethostname()
     pid = exited_pid()
-    engine._peers = [(here, os.getpid()), (here, pid), ("elsewhere", pid)]
+    engine._peers = [Peer(here, os.getpid()), Peer(here, pid), Peer("elsewhere", pid)]
     assert engine.lost_workers() == [f"worker 1 (pid {pid})"]  # not the one on another machine
 
 
@@ -68,7 +69,7 @@ def test_lost_workers_looks_once_without_grace_and_not_at_all_without_peers_here
     engine = LocalEngine()
     start = time.monotonic()
     assert engine.lost_workers(grace=30.0) == []  # never learnt where its peers are
-    engine._peers = [("elsewhere", 1)]
+    engine._peers = [Peer("elsewhere", 1)]
     assert engine.lost_workers(grace=30.0) == []  # none on this machine to look at
     engine._learn_peers()  # itself, alive
     assert engine.lost_workers() == []  # one look, no wait
