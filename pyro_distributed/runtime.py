@@ -57,8 +57,9 @@ def init(engine: str = "auto", *, timeout: float | timedelta | None = None) -> E
         otherwise it picks ``horovod`` under ``horovodrun``, ``torch`` under
         ``torchrun`` or when a torch.distributed process group exists (one
         that Lightning, Ray Train or Accelerate created is adopted, not
-        replaced), ``mpi`` under ``mpirun``, ``mpiexec`` or ``srun`` (it needs
-        mpi4py: ``pip install pyro-distributed[mpi]``), and ``local`` (one
+        replaced) or under a ``srun`` step without a PMI, ``mpi`` under
+        ``mpirun``, ``mpiexec`` or ``srun --mpi=pmi2`` (it needs mpi4py:
+        ``pip install pyro-distributed[mpi]``), and ``local`` (one
         process, no communication) otherwise. A ``local`` engine that
         ``"auto"`` chose is replaced once a larger process group appears;
         optimizers already bound to it then raise
@@ -68,7 +69,9 @@ def init(engine: str = "auto", *, timeout: float | timedelta | None = None) -> E
         :class:`PyroDistributedError`. Defaults to 60 seconds.
     :returns: the engine.
     :raises PyroDistributedError: if a different engine, or a different
-        time-out, is already running in this process.
+        time-out, is already running in this process; or if the engine joined
+        another number of workers than its launcher started (an MPI of one
+        worker under ``srun --mpi=none``, say).
 
     Example::
 

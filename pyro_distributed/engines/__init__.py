@@ -14,7 +14,9 @@ from __future__ import annotations
 import importlib
 from datetime import timedelta
 
+from ..errors import PyroDistributedError
 from .base import DEFAULT_TIMEOUT, Engine, Pending
+from .launchers import check_world_size
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -52,8 +54,9 @@ def detect_engine() -> str:
     """The engine ``"auto"`` stands for in this process.
 
     ``horovod`` when launched by ``horovodrun``; ``torch`` when launched by
-    ``torchrun`` or when a torch.distributed process group already exists;
-    ``mpi`` when launched by ``mpirun``, ``mpiexec`` or a multi-task ``srun``;
+    ``torchrun``, when a torch.distributed process group already exists, or
+    by a multi-task ``srun`` without a PMI; ``mpi`` when launched by
+    ``mpirun``, ``mpiexec`` or ``srun`` with a PMI;
     ``local`` otherwise. Each engine class is asked, highest
     :attr:`~Engine.detection_priority` first. Detection reads the environment
     only: it imports no optional transport (not even mpi4py).
@@ -63,5 +66,17 @@ def detect_engine() -> str:
 
 
 def create_engine(name: str, timeout: timedelta = DEFAULT_TIMEOUT) -> Engine:
-    """Start the engine called ``name`` (not ``"auto"``)."""
-    return engine_class(name)(timeout)
+    """Start the engine called ``name`` (not ``"auto"``), and check that it
+    joined as many workers as its launcher started
+    (:func:`~pyro_distributed.engines.launchers.check_world_size`)."""
+    engine = engine_class(name)(timeout)
+    try:
+        check_world_size(engine.name, engine.world_size)
+    except PyroDistributedError as error:
+        mismatch = error
+    else:
+        return engine
+    # A clean shutdown, outside the handler: an engine that sees an exception
+    # in flight ends as after a failure (the MPI engine would abort the process).
+    engine.shutdown()
+    raise mismatch

@@ -56,6 +56,7 @@ from torch import Tensor
 from ..devices import cuda_device_index
 from ..errors import PyroDistributedError
 from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp, describe_lost
+from .launchers import mpi_launcher_present, slurm_step
 from .mpi_buffers import MPIBuffers, library_takes_cuda
 
 __all__ = ["INSTALL_HINT", "MPIEngine", "import_mpi"]
@@ -66,10 +67,6 @@ INSTALL_HINT = (
     "On a cluster, build mpi4py against the system's MPI instead: "
     "`pip install --no-binary mpi4py mpi4py` with that MPI's `mpicc` on the PATH."
 )
-
-# What MPI launchers put in each process's environment: MPICH's Hydra (and
-# Intel MPI, MVAPICH), Open MPI, any PMIx launcher, MVAPICH2.
-_LAUNCHER_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 
 #: How often a waiting worker looks for peers on its machine that have exited.
 _LIVENESS_INTERVAL = 0.5
@@ -91,15 +88,6 @@ def import_mpi() -> ModuleType:
         return importlib.import_module("mpi4py.MPI")
     except ImportError as exc:
         raise ImportError(INSTALL_HINT) from exc
-
-
-def _slurm_step() -> bool:
-    """Whether this is one task of a multi-task ``srun`` step.
-
-    ``SLURM_PROCID`` alone is also set inside a batch script, where a plain
-    ``python train.py`` is one process and must stay local.
-    """
-    return "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1
 
 
 class _MPIPending(Pending):
@@ -156,8 +144,13 @@ class MPIEngine(Engine):
 
     @staticmethod
     def detected() -> bool:
-        """Whether an MPI launcher (mpirun, mpiexec, srun) started this process."""
-        return any(variable in os.environ for variable in _LAUNCHER_VARIABLES) or _slurm_step()
+        """Whether an MPI launcher (mpirun, mpiexec, srun) started this process.
+
+        A multi-task ``srun`` step without a PMI is also reported here, but
+        the torch engine, asked first, takes it (see
+        :mod:`~pyro_distributed.engines.launchers`).
+        """
+        return mpi_launcher_present() or slurm_step()
 
     def __init__(
         self,
