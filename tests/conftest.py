@@ -6,6 +6,10 @@ counted) unless pytest runs with ``--cuda`` or ``PYRO_DISTRIBUTED_TEST_CUDA=1``
 stops with a usage error instead of failing each test, unless
 ``PYRO_DISTRIBUTED_TEST_DEVICE=cpu`` asks for them on the CPU (to check the
 tests themselves).
+
+Tests marked ``cluster`` run launchers on hosts made of network namespaces
+(``tests/cluster.py``); where none can be made (not root, no ``ip netns``)
+they are deselected with one printed line that says why.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import pytest
 import torch
 
 import pyro_distributed as pd
+
+from . import cluster
 
 CUDA_VARIABLE = "PYRO_DISTRIBUTED_TEST_CUDA"
 #: Where the cuda tests put their tensors (tests/test_cuda.py); "cpu" runs them here.
@@ -36,6 +42,7 @@ def cuda_requested(config: pytest.Config) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _deselect_cluster_tests_where_no_cluster_can_be_made(config, items)
     if cuda_requested(config):
         on_cpu = os.environ.get(DEVICE_VARIABLE) == "cpu"  # checks the tests themselves
         if not (torch.cuda.is_available() or on_cpu):
@@ -48,6 +55,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if item.get_closest_marker("cuda") is None]
+
+
+def _deselect_cluster_tests_where_no_cluster_can_be_made(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    wanted = [item for item in items if item.get_closest_marker("cluster") is not None]
+    if not wanted:
+        return
+    reason = cluster.unavailable()
+    if reason is None:
+        return
+    print(f"\n[tests] {len(wanted)} cluster test(s) deselected: no namespace hosts here ({reason})")
+    config.hook.pytest_deselected(items=wanted)
+    items[:] = [item for item in items if item.get_closest_marker("cluster") is None]
 
 
 @pytest.fixture(autouse=True)
