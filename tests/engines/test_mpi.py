@@ -301,7 +301,10 @@ TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "
         ({"PMI_RANK": "0"}, "mpi"),  # MPICH's Hydra, Intel MPI
         ({"OMPI_COMM_WORLD_RANK": "0"}, "mpi"),  # Open MPI
         ({"PMIX_RANK": "0"}, "mpi"),  # any PMIx launcher
-        ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4"}, "mpi"),  # srun -n 4
+        # srun -n 4 --mpi=pmi2: MPI; Slurm's default --mpi=none gives no PMI, so the
+        # tasks join through torch.distributed from Slurm's variables instead.
+        ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4", "PMI_RANK": "0"}, "mpi"),
+        ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4"}, "torch"),
         ({"SLURM_PROCID": "0"}, "local"),  # a batch script's one process
         ({"PMI_RANK": "0", **TORCHRUN}, "torch"),  # torchrun's variables win: the user chose torch
         ({"PMI_RANK": "0", "HOROVOD_RANK": "0"}, "horovod"),  # horovodrun running on MPI
