@@ -38,7 +38,8 @@ _MPI_LAUNCHERS = (
 )
 #: A PMIx launcher gives the rank but no size in the environment.
 _PMIX_RANK = "PMIX_RANK"
-_TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: What torchrun gives every worker (the torch engine joins from these).
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: Ports derived for a Slurm step lie below Linux's ephemeral range (32768 and up),
 #: which outgoing connections draw from.
 _SLURM_PORT_BASE, _SLURM_PORT_SPAN = 20000, 10000
@@ -69,7 +70,7 @@ def slurm_step() -> bool:
 
 def declared_world_size() -> Declared | None:
     """The innermost launcher's count of the workers, or ``None`` if none says."""
-    if all(name in os.environ for name in _TORCHRUN):
+    if all(name in os.environ for name in TORCHRUN_VARIABLES):
         return _declared("torchrun", "WORLD_SIZE")
     if "HOROVOD_RANK" in os.environ and "HOROVOD_SIZE" in os.environ:
         return _declared("horovodrun", "HOROVOD_SIZE")

@@ -34,13 +34,16 @@ from ..devices import cuda_device_index, cuda_transport, this_gpu
 from ..errors import PyroDistributedError
 from ..torch_internals import PrefixStore
 from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
-from .launchers import mpi_launcher_present, slurm_step, torch_rendezvous_from_slurm
+from .launchers import (
+    TORCHRUN_VARIABLES,
+    mpi_launcher_present,
+    slurm_step,
+    torch_rendezvous_from_slurm,
+)
 from .network import advertised_address, check_peer_addresses, choose_gloo_interface, is_loopback
 from .probes import open_probe_socket
 
 __all__ = ["TorchEngine"]
-
-_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -73,7 +76,7 @@ class TorchEngine(Engine):
         group, or is a task of a ``srun`` step that MPI could not join (no PMI)."""
         if dist.is_available() and dist.is_initialized():
             return True
-        if all(variable in os.environ for variable in _TORCHRUN_VARIABLES):
+        if all(variable in os.environ for variable in TORCHRUN_VARIABLES):
             return True
         return slurm_step() and not mpi_launcher_present()
 
@@ -87,7 +90,7 @@ class TorchEngine(Engine):
         self._owns_group = not dist.is_initialized()
         self._local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
         if self._owns_group:
-            missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
+            missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
             if missing and slurm_step():
                 slurm = torch_rendezvous_from_slurm()
                 self._local_rank = slurm.local_rank
