@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Self
 
+import pyro
 import torch
 from pyro.poutine.messenger import Messenger
 
@@ -243,7 +244,18 @@ class shard_subsamples(Messenger):
             ),
             None,
         )
-        known = registry.local_param(name)
+        # A PyroModule's parameter in module_local_params mode lives on the
+        # module, so a record of an older module's parameter of the same name
+        # (an earlier model in this process) is not this one's; a one-argument
+        # message naming nothing in the param store that is not such a use is
+        # the module declaring a new parameter.
+        held = module_param(msg)
+        if held is not None:
+            known = registry.local_param(name, held[0])
+        elif len(msg["args"]) == 1 and name not in pyro.get_param_store():
+            known = None
+        else:
+            known = registry.local_param(name)
         if frame is None or event_dim is None or frame.dim is None:
             # A plain read inside the plate, pyro.param(name) (a PyroModule's,
             # after it set a PyroParam there), gets the stored rows: the block.
@@ -258,8 +270,6 @@ class shard_subsamples(Messenger):
         param = registry.LocalParam(name, frame.name, size, frame.dim - event_dim)
         init = msg["args"][1] if len(msg["args"]) > 1 else None
         constraint = msg["kwargs"].get("constraint")
-        # A PyroModule's parameter in module_local_params mode lives on the module.
-        held = module_param(msg)
         tensor, in_graph = None, False
         if held is not None:
             tensor, constraint, in_graph = held
