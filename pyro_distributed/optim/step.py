@@ -9,7 +9,9 @@ worker:
 2. split off local parameters, whose gradients never travel, and scale
    them, and the rows of sparse local parameters, as the exchange scales an
    average (``GradientSync.average_alone_``: the same operations, so a
-   local row is bitwise what the replicated run would hold, at any W);
+   local row is bitwise what the replicated run would hold, at any W, given
+   the same global parameters; from W=3 those depend on where each element
+   sits in the exchanged buffer, whose sum order is the ring's);
 3. exchange the rest (:class:`~pyro_distributed.exchange.sync.GradientSync`),
    with the flag "some local gradient is not finite" in its header;
 4. observe the gradient noise scale; let the front end step its optimizer,

@@ -431,6 +431,102 @@ def test_owned_module_parameters_change_where_rows_live_not_the_numbers(
         assert torch.equal(gathered["by_module_name"], full["guide.scales.z_unconstrained"])
 
 
+# -- the layout of the exchange, at W=3 (the case a reviewer measured)
+
+GROUPS = 3000
+GROUP_BATCH = 64
+
+
+class GroupsModel(PyroModule):
+    """3,000 groups, 4 observations each; b's rows are local to the plate."""
+
+    def forward(self, y: torch.Tensor) -> None:
+        mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+        tau = pyro.sample("tau", dist.HalfNormal(2.0))
+        with pyro.plate("groups", GROUPS, subsample_size=GROUP_BATCH, dim=-1) as i:
+            b = pyro.sample("b", dist.Normal(0.0, tau))
+            with pyro.plate("obs", 4, dim=-2):
+                pyro.sample("y", dist.Normal(mu + b, 1.0), obs=y[i].T)
+
+
+def group_plates(y: torch.Tensor) -> pyro.plate:
+    return pyro.plate("groups", GROUPS, subsample_size=GROUP_BATCH, dim=-1)
+
+
+def train_groups(own: bool, bucket_cap_mb: float | None, steps: int) -> dict[str, torch.Tensor]:
+    """Torch Adam over AutoNormal(create_plates); local rows gathered in global order."""
+    pyro.settings.set(module_local_params=True)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        b_true = 0.7 * torch.randn(GROUPS, generator=generator)
+        y = 1.5 + b_true.unsqueeze(1) + torch.randn(GROUPS, 4, generator=generator)
+        model = GroupsModel()
+        guide = AutoNormal(model, create_plates=group_plates)
+        loss_fn = Trace_ELBO()(model, guide)
+        pd.set_rng_seed(1)
+        with pd.shard_subsamples(own_local_params=own, by_block=True):
+            loss_fn(y)
+        options = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+        optimizer = pd.DistributedOptimizer(
+            torch.optim.Adam(loss_fn.parameters(), lr=0.02), **options
+        )
+        for _ in range(steps):
+            optimizer.zero_grad()
+            with pd.shard_subsamples(own_local_params=own, by_block=True):
+                loss_fn(y).backward()
+            optimizer.step()
+        names = ("guide.locs.b_unconstrained", "guide.scales.b_unconstrained")
+        values = {
+            name: pd.gather_param(name, to="all", module=loss_fn) if own else p.detach().clone()
+            for name, p in loss_fn.named_parameters()
+            if name in names
+        }
+        return values | {
+            name: p.detach().clone() for name, p in loss_fn.named_parameters() if name not in names
+        }
+    finally:
+        pyro.settings.set(module_local_params=False)
+
+
+def groups_in_both_layouts(steps: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Owned and replicated, in the default buckets and one bucket per parameter.
+
+    Four models in one process, as in a notebook: the second owned guide's
+    parameters have the first's names and are new parameters, not its rows.
+    """
+    return {
+        f"{'owned' if own else 'replicated'} {layout}": train_groups(own, cap, steps)
+        for own in (False, True)
+        for layout, cap in (("default", None), ("per-parameter", 1e-9))
+    }
+
+
+def test_owned_rows_at_w3_are_bitwise_where_the_global_sums_are_laid_out_alike() -> None:
+    """Owned against replicated at W=3, 200 steps: bitwise when each global
+    parameter travels alone; to rounding in the default buckets.
+
+    Why the layout matters only from W=3: gloo's ring sums each chunk of a
+    buffer starting at a different worker, so the sum of three workers'
+    gradients for one element depends on where the element sits. The owned
+    run's buffer holds the global parameters alone; the replicated one also
+    holds every local row, so their global elements sit elsewhere and are
+    summed in another order (a + b == b + a, so W=2 cannot see it). A local
+    row's own average (one worker's gradient and W-1 zeros) is exact in any
+    order, which is why one bucket per parameter makes everything bitwise.
+    """
+    results = run_workers(groups_in_both_layouts, 200, world_size=3, timeout=240.0)
+    assert all(set(r) == set(results[0]) for r in results)
+    for rank, mine in enumerate(results):
+        for name, value in mine["owned per-parameter"].items():
+            reference = results[0]["replicated per-parameter"][name]
+            assert torch.equal(value, reference), f"{name} differs on worker {rank}"
+        for name, value in mine["owned default"].items():
+            reference = results[0]["replicated default"][name]
+            assert torch.equal(value, results[0]["owned default"][name]), name
+            assert torch.allclose(value, reference, rtol=0, atol=1e-5), name
+            assert value.shape == reference.shape, name
+
+
 # -- the same under the real horovodrun
 
 HOROVOD_SCENARIOS: list[tuple[str, Any, tuple[Any, ...]]] = [
