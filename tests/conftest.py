@@ -10,6 +10,11 @@ tests themselves).
 Tests marked ``cluster`` run launchers on hosts made of network namespaces
 (``tests/cluster.py``); where none can be made (not root, no ``ip netns``)
 they are deselected with one printed line that says why.
+
+The tests start their own workers with their own launchers, so a launcher's
+variables already in the environment (``MASTER_ADDR`` or ``WORLD_SIZE`` in a
+shell, ``SLURM_*`` inside an allocation) are removed for the session, and
+every process runs one thread (``OMP_NUM_THREADS=1``) as the timings assume.
 """
 
 from __future__ import annotations
@@ -29,7 +34,57 @@ CUDA_VARIABLE = "PYRO_DISTRIBUTED_TEST_CUDA"
 DEVICE_VARIABLE = "PYRO_DISTRIBUTED_TEST_DEVICE"
 
 
+#: Variables through which a launcher tells a process its place in a job.
+_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "HOROVOD_", "TORCHELASTIC_")
+_LAUNCHER_VARIABLES = (
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+)  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name in list(os.environ):
+        if name in _LAUNCHER_VARIABLES or name.startswith(_LAUNCHER_PREFIXES):
+            del os.environ[name]
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+#: What ``--quick`` (``scripts/test.sh --quick``, the inner loop) leaves out,
+#: besides the tests marked ``slow`` or for another launcher and every run at
+#: W=3: the files whose tests start a launcher or run a script as users do.
+QUICK_LEAVES_OUT = (
+    "tests/lightning/",
+    "tests/integrations/",
+    "tests/engines/test_launchers.py",
+    "tests/test_docs.py",
+    "tests/test_examples.py",
+    "tests/test_faults.py",
+    "tests/test_statistics.py",
+    "tests/test_vae_example.py",
+    "tests/test_gpu_check.py",
+)
+_OTHER_LAUNCHERS = ("horovod", "mpi", "cluster", "slurm", "integrations", "slow")
+_WORLD_PARAMETERS = ("workers", "world_size", "hosts")
+
+
+def _left_out_by_quick(item: pytest.Item) -> bool:
+    path = item.nodeid.split("::")[0]
+    if path.startswith(QUICK_LEAVES_OUT):
+        return True
+    if any(item.get_closest_marker(name) is not None for name in _OTHER_LAUNCHERS):
+        return True
+    if "three_workers" in item.name or "_w3_" in item.name:
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(params.get(name, 0) > 2 for name in _WORLD_PARAMETERS)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="the inner loop: in-process and two-worker torch-engine tests only",
+    )
     parser.addoption(
         "--cuda",
         action="store_true",
@@ -42,6 +97,10 @@ def cuda_requested(config: pytest.Config) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--quick"):
+        left_out = [item for item in items if _left_out_by_quick(item)]
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if not _left_out_by_quick(item)]
     _deselect_cluster_tests_where_no_cluster_can_be_made(config, items)
     if cuda_requested(config):
         on_cpu = os.environ.get(DEVICE_VARIABLE) == "cpu"  # checks the tests themselves
