@@ -164,6 +164,7 @@ def train_each_elbo(single: bool) -> dict[str, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.slow
 def test_every_elbo_matches_one_process() -> None:
     compare_with_single_process(train_each_elbo)
 

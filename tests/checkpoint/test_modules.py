@@ -58,6 +58,7 @@ def checkpointed(path: str, save_at: int | None, load: bool, steps: int) -> dict
         pyro.settings.set(module_local_params=False)
 
 
+@pytest.mark.slow
 def test_a_module_checkpoint_resumes_bitwise_in_fresh_processes(tmp_path: Any) -> None:
     path = str(tmp_path / "run.pt")
     straight = run_workers(checkpointed, path, 3, False, 6)

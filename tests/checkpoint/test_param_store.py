@@ -80,6 +80,7 @@ def assert_same_state(got: Any, want: Any, where: str = "") -> None:
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.slow
 def test_resume_in_fresh_processes_equals_an_uninterrupted_run(
     world_size: int, tmp_path: Path
 ) -> None:
@@ -202,6 +203,7 @@ def _pyro_module_run(path: str, load: bool, steps: int) -> dict[str, torch.Tenso
     return {"weight": net.linear.weight.detach().clone(), **param_values()}
 
 
+@pytest.mark.slow
 def test_pyro_module_networks_train_on_from_the_loaded_values(tmp_path: Path) -> None:
     path = str(tmp_path / "net.pt")
     saved, _ = run_workers(_pyro_module_run, path, False, 5)

@@ -89,6 +89,7 @@ def test_one_process_recovers_the_conjugate_posterior() -> None:
 
 
 @pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.slow
 def test_sharded_quickstart_gives_the_posterior_of_all_the_data(workers: int) -> None:
     (alone,) = run_workers(fit, world_size=1)
     results = run_workers(fit, world_size=workers)

@@ -104,6 +104,7 @@ def _both_ways(scenario: str, cap_mb: float = SMALL_CAP_MB) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "scenario", ["plain", "particles", "clipped", "differing", "fp16", "diagnostic"]
 )
+@pytest.mark.slow
 def test_overlap_is_bitwise_equal_to_no_overlap(scenario: str) -> None:
     results = run_workers(_both_ways, scenario)
     for rank, result in enumerate(results):
@@ -117,6 +118,7 @@ def test_overlap_is_bitwise_equal_to_no_overlap(scenario: str) -> None:
 
 
 @pytest.mark.parametrize("scenario", ["plain", "particles", "differing", "diagnostic"])
+@pytest.mark.slow
 def test_one_bucket_runs_backward_without_hooks_and_bitwise_equal(scenario: str) -> None:
     # Every parameter fits one bucket, which carries the header at the call:
     # nothing can leave early, so once armed the hooks are gone.

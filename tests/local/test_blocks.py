@@ -112,6 +112,7 @@ def _whole(per_worker: list[dict[str, Any]], name: str) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.parametrize(("saved_at", "loaded_at"), [(2, 3), (3, 1)])
+@pytest.mark.slow
 def test_elastic_resume_repartitions_the_blocks(
     tmp_path: Path, saved_at: int, loaded_at: int
 ) -> None:

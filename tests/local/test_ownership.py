@@ -105,6 +105,7 @@ LOCAL = {
 @pytest.mark.parametrize(
     ("optim_name", "guide_name"), [("adam", "hand"), ("clipped", "auto"), ("adam", "delta")]
 )
+@pytest.mark.slow
 def test_ownership_changes_where_rows_live_not_the_numbers(
     workers: int, optim_name: str, guide_name: str
 ) -> None:

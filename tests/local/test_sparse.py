@@ -361,6 +361,7 @@ def train(mode: str, optim_name: str, guide_name: str, size: int = N) -> dict[st
     ("workers", "optim_name"),
     [(1, "sgd"), (2, "sgd"), (3, "sgd"), (2, "sgd-steplr"), (2, "sgd-clip")],
 )
+@pytest.mark.slow
 def test_plain_sgd_is_bitwise_the_dense_step(workers: int, optim_name: str) -> None:
     """SGD moves no row without gradient, so lazy and dense are the same numbers:
     this pins the row gradients (two particles, AutoNormal) and their 1/W, and
@@ -429,6 +430,7 @@ def resumed(path: str, steps: int) -> dict[str, Any]:
     return {"start": start, "loaded": loaded, "end": _snapshot(optim)}
 
 
+@pytest.mark.slow
 def test_checkpoints_resume_bitwise_and_repartition(tmp_path: Path) -> None:
     path = str(tmp_path / "run.pt")
     uninterrupted = run_workers(straight, path)
@@ -508,6 +510,7 @@ def bytes_sent(size: int, mode: str) -> int:
     return sent[-1]
 
 
+@pytest.mark.slow
 def test_bytes_sent_per_step_are_the_dense_steps_and_do_not_grow_with_n() -> None:
     dense = run_workers(bytes_sent, 100, "dense")
     small = run_workers(bytes_sent, 100, "sparse")
@@ -531,6 +534,7 @@ def refused(optim_name: str) -> str:
     return str(error.value)
 
 
+@pytest.mark.slow
 def test_optimizers_without_a_lazy_rule_are_refused_by_name() -> None:
     rmsprop, amsgrad, dampening = (
         run_workers(refused, name)[1] for name in ("rmsprop", "amsgrad", "dampening")

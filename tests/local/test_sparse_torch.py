@@ -169,6 +169,7 @@ def checked_against_reference(kinds: list[str], guide_name: str) -> dict[str, An
 @pytest.mark.parametrize(
     ("workers", "guide_name"), [(1, "auto"), (2, "auto"), (3, "auto"), (2, "module")]
 )
+@pytest.mark.slow
 def test_each_torch_native_step_is_the_stated_lazy_rule_within_one_ulp(
     workers: int, guide_name: str
 ) -> None:
@@ -208,6 +209,7 @@ def sgd(ps: Any) -> torch.optim.Optimizer:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.slow
 def test_plain_sgd_on_the_torch_path_is_bitwise_the_dense_step(workers: int) -> None:
     """SGD moves no row without gradient: sparse and dense are the same numbers,
     which pins the row gradients, their 1/W and the exchange of the rest."""
@@ -249,6 +251,7 @@ def zero_grad_between(how: str) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in loss_fn.named_parameters()}
 
 
+@pytest.mark.slow
 def test_zero_grad_drops_row_gradients_as_it_drops_grad() -> None:
     plain = run_workers(zero_grad_between, "plain")
     for how in ("discarded", "forward first"):
@@ -360,6 +363,7 @@ def _snapshot(loss_fn: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_torch_native_checkpoints_resume_bitwise_and_repartition(tmp_path: Path) -> None:
     path = str(tmp_path / "run.pt")
     straight = run_workers(_run, 8, path)

@@ -97,6 +97,7 @@ def trained(path: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("workers", [2, 3])
 @pytest.mark.parametrize("path", ["pyro.module", "PyroModule", "torch"])
+@pytest.mark.slow
 def test_batchnorm_statistics_are_the_same_on_every_worker_after_every_step(
     workers: int, path: str
 ) -> None:

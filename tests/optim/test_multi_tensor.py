@@ -60,6 +60,7 @@ def train(multi_tensor: bool | None, steps: int, exact: bool = True) -> dict[str
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.slow
 def test_grouped_step_matches_one_optimizer_per_parameter_bitwise(world_size: int) -> None:
     grouped = run_workers(train, None, 15, world_size=world_size)  # the default groups these
     single = run_workers(train, False, 15, world_size=world_size)
@@ -142,6 +143,7 @@ def checkpoint_across_modes(path: str, save_grouped: bool) -> dict[str, torch.Te
 
 
 @pytest.mark.parametrize("save_grouped", [True, False])
+@pytest.mark.slow
 def test_checkpoints_move_between_the_two_modes(save_grouped: bool, tmp_path: Any) -> None:
     path = str(tmp_path / "run.pt")
     (grouped_first,) = run_workers(checkpoint_across_modes, path, save_grouped, world_size=1)
@@ -199,6 +201,7 @@ def switching_modes(multi_tensor: bool | None) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.slow
 def test_switching_sparse_and_dense_keeps_each_parameters_state_when_grouped(
     world_size: int,
 ) -> None:

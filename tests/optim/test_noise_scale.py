@@ -190,6 +190,7 @@ def measured_against_exact(overlap: bool, compression: str) -> list[dict[str, fl
     ("overlap", "compression", "rel"),
     [(True, "none", 1e-4), (False, "none", 1e-4), (True, "fp16", 1e-2), (False, "bf16", 5e-2)],
 )
+@pytest.mark.slow
 def test_norms_equal_those_of_the_gathered_gradients(
     overlap: bool, compression: str, rel: float
 ) -> None:
@@ -223,6 +224,7 @@ def count_and_train(noise: bool, overlap: bool, compression: str) -> dict[str, A
 
 
 @pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.slow
 def test_noise_scale_adds_no_collective_and_changes_no_result(overlap: bool) -> None:
     def both(compression: str) -> list[dict[str, Any]]:
         return [

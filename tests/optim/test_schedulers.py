@@ -118,6 +118,7 @@ PLATEAU_METRICS = [[1.0] * 4, [9.0, 7.0, 5.0, 3.0]]
 
 
 @pytest.mark.parametrize("how", ["tensor", "keyword"])
+@pytest.mark.slow
 def test_reduce_lr_on_plateau_follows_the_mean_metric_not_the_workers_own(how: str) -> None:
     results = run_workers(plateau_learning_rates, PLATEAU_METRICS, how)
     assert results[0] == results[1] == [1.0] * 4

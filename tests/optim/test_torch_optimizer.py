@@ -312,6 +312,7 @@ def elbo_module(steps: int) -> dict[str, Any]:
         pyro.settings.set(module_local_params=False)
 
 
+@pytest.mark.slow
 def test_an_elbo_module_trains_in_sync_to_the_posterior_of_all_the_data() -> None:
     x, y = regression_rows()
     # The exact posterior of w: Normal(0, 10^2) prior, known noise 0.5.
@@ -333,6 +334,7 @@ def test_an_elbo_module_trains_in_sync_to_the_posterior_of_all_the_data() -> Non
         assert torch.allclose(result["params"][scale], log_sd, atol=0.1), result["params"]
 
 
+@pytest.mark.slow
 def test_evaluation_prediction_and_noise_scale_work_on_the_torch_native_path() -> None:
     one = run_workers(elbo_module, 400, world_size=1)[0]
     two = run_workers(elbo_module, 400)
@@ -407,6 +409,7 @@ def train_local(own: bool, optimizer_name: str, steps: int) -> dict[str, object]
 
 @pytest.mark.parametrize("workers", [2, 3])
 @pytest.mark.parametrize("optimizer_name", ["adam", "adamw"])
+@pytest.mark.slow
 def test_owned_module_parameters_change_where_rows_live_not_the_numbers(
     workers: int, optimizer_name: str
 ) -> None:
