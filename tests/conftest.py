@@ -9,7 +9,9 @@ tests themselves).
 
 Tests marked ``cluster`` run launchers on hosts made of network namespaces
 (``tests/cluster.py``); where none can be made (not root, no ``ip netns``)
-they are deselected with one printed line that says why.
+they are deselected with one printed line that says why. So are the tests
+marked ``slurm`` where ``scripts/start_slurm.sh`` cannot start a one-node
+Slurm (``tests/slurm.py``).
 
 The tests start their own workers with their own launchers, so a launcher's
 variables already in the environment (``MASTER_ADDR`` or ``WORLD_SIZE`` in a
@@ -20,14 +22,14 @@ every process runs one thread (``OMP_NUM_THREADS=1``) as the timings assume.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 import pyro_distributed as pd
 
-from . import cluster
+from . import cluster, slurm
 
 CUDA_VARIABLE = "PYRO_DISTRIBUTED_TEST_CUDA"
 #: Where the cuda tests put their tensors (tests/test_cuda.py); "cpu" runs them here.
@@ -101,7 +103,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         left_out = [item for item in items if _left_out_by_quick(item)]
         config.hook.pytest_deselected(items=left_out)
         items[:] = [item for item in items if not _left_out_by_quick(item)]
-    _deselect_cluster_tests_where_no_cluster_can_be_made(config, items)
+    _deselect_where_unavailable(
+        config, items, "cluster", cluster.unavailable, "no namespace hosts here"
+    )
+    # slurm.unavailable() starts the one-node Slurm (scripts/start_slurm.sh).
+    _deselect_where_unavailable(config, items, "slurm", slurm.unavailable, "no Slurm here")
     if cuda_requested(config):
         on_cpu = os.environ.get(DEVICE_VARIABLE) == "cpu"  # checks the tests themselves
         if not (torch.cuda.is_available() or on_cpu):
@@ -116,18 +122,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if item.get_closest_marker("cuda") is None]
 
 
-def _deselect_cluster_tests_where_no_cluster_can_be_made(
-    config: pytest.Config, items: list[pytest.Item]
+def _deselect_where_unavailable(
+    config: pytest.Config,
+    items: list[pytest.Item],
+    marker: str,
+    unavailable: Callable[[], str | None],
+    missing: str,
 ) -> None:
-    wanted = [item for item in items if item.get_closest_marker("cluster") is not None]
+    """Deselect the tests marked ``marker`` with one printed line when
+    ``unavailable()`` (called only if some are collected) gives a reason."""
+    wanted = [item for item in items if item.get_closest_marker(marker) is not None]
     if not wanted:
         return
-    reason = cluster.unavailable()
+    reason = unavailable()
     if reason is None:
         return
-    print(f"\n[tests] {len(wanted)} cluster test(s) deselected: no namespace hosts here ({reason})")
+    print(f"\n[tests] {len(wanted)} {marker} test(s) deselected: {missing} ({reason})")
     config.hook.pytest_deselected(items=wanted)
-    items[:] = [item for item in items if item.get_closest_marker("cluster") is None]
+    items[:] = [item for item in items if item.get_closest_marker(marker) is None]
 
 
 @pytest.fixture(autouse=True)

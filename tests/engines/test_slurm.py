@@ -1,0 +1,173 @@
+"""The scripts users launch with ``srun``, under a real one-node Slurm (``tests/slurm.py``).
+
+Each scenario is one ``srun`` step, shared by the tests that read it:
+``examples/quickstart.py`` on 2 tasks with ``--mpi=pmi2`` (the MPI engine)
+and with ``--mpi=none`` (torch.distributed from Slurm's variables), and on 3
+tasks of 2 cores (``--overcommit``) with ``--mpi=pmi2``; the torch engine's
+rendezvous at W=3 runs ``tests/scripts/join_and_report.py`` alone (three gloo
+workers train on two cores twice as slowly as MPI's); and the Lightning
+strategy's test script on ``-N 1 --ntasks-per-node 2`` (Lightning's
+SLURMEnvironment).
+
+The example runs unchanged through ``runpy``; after it, every task prints the
+engine it joined and a digest of its final parameters, so that a test can tell
+which engine trained, on how many workers, and whether the workers agree.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .. import slurm
+from ..harness import run_script
+from ..lightning.test_strategy import assert_each_epoch_shares_the_rows, assert_in_sync
+from ..test_examples import QUICKSTART_WIDTH, quickstart_posterior
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = "examples/quickstart.py"
+FIT_REGRESSION = "tests/lightning/scripts/fit_regression.py"
+JOIN_AND_REPORT = "tests/scripts/join_and_report.py"
+
+#: Runs the script named first as ``__main__``, then reports what this task joined.
+REPORT = """
+import hashlib, runpy, sys
+import pyro
+import pyro_distributed as pd
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+engine = pd.current_engine()
+digest = hashlib.sha256()
+store = pyro.get_param_store()
+for name in sorted(store.keys()):
+    digest.update(name.encode())
+    digest.update(store[name].detach().cpu().contiguous().numpy().tobytes())
+print(f"task {engine.rank} local {engine.local_rank} engine {engine.name} "
+      f"world {engine.world_size} params {digest.hexdigest()}", flush=True)
+"""
+_TASK = re.compile(r"^task (\d+) local (\d+) engine (\S+) world (\d+) params (\S+)$", re.M)
+
+
+@functools.cache
+def quickstart(*options: str) -> str:
+    """``srun OPTIONS python -c REPORT examples/quickstart.py``'s output (it must succeed)."""
+    code, output = slurm.srun(options, ["python", "-c", REPORT, QUICKSTART])
+    assert code == 0, f"srun {' '.join(options)}: exit {code}\n{output[-6000:]}"
+    return output
+
+
+def tasks(output: str) -> dict[int, dict[str, Any]]:
+    """What each task reported, by rank (each rank once)."""
+    found = [match.groups() for match in _TASK.finditer(output)]
+    reports = {
+        int(rank): {"local": int(local), "engine": engine, "world": int(world), "params": params}
+        for rank, local, engine, world, params in found
+    }
+    assert len(reports) == len(found), output
+    return reports
+
+
+def assert_one_model(output: str, engine: str, world_size: int) -> dict[int, dict[str, Any]]:
+    """Every task joined ``engine`` in one world of ``world_size`` and ends with the
+    same parameters; worker 0 alone printed the posterior of all the data."""
+    reports = tasks(output)
+    assert sorted(reports) == list(range(world_size)), output
+    for rank, report in reports.items():
+        assert (report["engine"], report["world"]) == (engine, world_size), output
+        assert report["local"] == rank, output  # one node: local rank = rank
+    assert len({report["params"] for report in reports.values()}) == 1, "workers diverged"
+    # tests/test_examples.py's check of the example, on every launcher.
+    assert output.count("predictions: (1000, 1001)") == 1, "gathered on worker 0 only"
+    assert output.count("step 0: loss") == 1, "only worker 0 prints"
+    means, widths = quickstart_posterior(output)
+    for mean, true in zip(means, [2.0, -1.0, 0.5], strict=True):
+        assert abs(mean - true) < 0.02, means
+    for width in widths:
+        assert abs(width / QUICKSTART_WIDTH - 1) < 0.2, widths
+    return reports
+
+
+def posterior_line(output: str) -> str:
+    match = re.search(r"^w: mean .*$", output, re.MULTILINE)
+    assert match, output
+    return match.group(0)
+
+
+def test_srun_with_pmi2_trains_one_model_on_the_mpi_engine() -> None:
+    assert_one_model(quickstart("-n", "2", "--mpi=pmi2"), "mpi", 2)
+
+
+def test_srun_without_a_pmi_trains_the_same_model_through_torch() -> None:
+    through_torch = quickstart("-n", "2", "--mpi=none")
+    reports = assert_one_model(through_torch, "torch", 2)
+    # Two workers' sums are the same whatever the engine: the very same model,
+    # bitwise (also the torchrun W=2 run's, which sums on the same engine).
+    on_mpi = quickstart("-n", "2", "--mpi=pmi2")
+    assert posterior_line(through_torch) == posterior_line(on_mpi)
+    assert reports[0]["params"] == tasks(on_mpi)[0]["params"]
+
+
+def test_srun_trains_one_model_on_three_tasks_of_two_cores() -> None:
+    # Uneven shards (3334, 3333, 3333 rows): the plate still counts all 10,000.
+    # On MPI: three gloo workers on two cores take twice as long to train.
+    assert_one_model(quickstart("-n", "3", "--overcommit", "--mpi=pmi2"), "mpi", 3)
+
+
+def test_three_tasks_without_a_pmi_join_one_torch_world() -> None:
+    options = ["-n", "3", "--overcommit", "--mpi=none"]
+    code, output = slurm.srun(options, ["python", JOIN_AND_REPORT, "auto"])
+    assert code == 0, f"exit {code}\n{output[-6000:]}"
+    joined = sorted(line for line in output.splitlines() if line.startswith("joined "))
+    assert joined == [f"joined torch {rank} 3 3" for rank in range(3)], output
+
+
+def fit_regression_options(out: Path) -> list[str]:
+    return [FIT_REGRESSION, "--out", str(out), "--devices", "2", "--plan", "auto", "--epochs", "4"]
+
+
+@pytest.fixture(scope="module")
+def lightning_under_srun(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[Any]]:
+    out = tmp_path_factory.mktemp("srun") / "out"
+    options = ["-N", "1", "--ntasks-per-node", "2", "--mpi=none"]
+    code, output = slurm.srun(options, ["python", *fit_regression_options(out)])
+    assert code == 0, f"exit {code}\n{output[-6000:]}"
+    return output, [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+
+
+def test_lightning_under_srun_trains_one_model_on_two_workers(
+    lightning_under_srun: tuple[str, list[Any]],
+) -> None:
+    output, records = lightning_under_srun
+    # Lightning took srun's tasks as its workers (its SLURMEnvironment), and the
+    # strategy's engine joined the process group Lightning made from them.
+    assert "SLURM auto-requeueing enabled" in output, output[-6000:]
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["world_size"] == 2 and r["engine_world_size"] == 2 for r in records)
+    assert all(r["engine"] == "torch" for r in records)
+    assert_in_sync(records)
+    assert_each_epoch_shares_the_rows(records, epochs=4)
+    assert [r["global_step"] for r in records] == [20, 20]
+    assert [r["reduce_sum"] for r in records] == [3.0, 3.0]
+    assert [r["broadcast"] for r in records] == ["from 1", "from 1"]
+
+
+def test_lightning_under_srun_trains_what_lightnings_own_launcher_trains(
+    lightning_under_srun: tuple[str, list[Any]], tmp_path: Path
+) -> None:
+    _, under_srun = lightning_under_srun
+    out = tmp_path / "out"
+    code, output = run_script([sys.executable, *fit_regression_options(out)], ROOT, timeout=180)
+    assert code == 0, f"exit {code}\n{output}"
+    for rank, record in enumerate(under_srun):
+        own = torch.load(out / f"rank{rank}.pt")
+        assert record["seen"] == own["seen"], rank
+        for name, value in record["posterior"].items():
+            assert torch.equal(value, own["posterior"][name]), (rank, name)

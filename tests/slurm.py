@@ -1,0 +1,137 @@
+"""A real one-node Slurm, started by ``scripts/start_slurm.sh``, and ``srun`` in it.
+
+:func:`unavailable` runs the script once per process (it installs Debian's
+``slurm-wlm`` and ``munge`` where they are missing, starts ``munged``,
+``slurmctld`` and ``slurmd`` or finds them running, and checks that
+``srun -n 2 hostname`` works) and says why Slurm cannot be used here, or
+``None``; ``tests/conftest.py`` deselects the tests marked ``slurm`` with that
+reason. :func:`srun` runs one step as a user would, from the checkout, with the
+venv's ``python`` first on the ``PATH`` (so the tasks import its mpi4py and
+MPICH), one thread per process, and a time limit after which the job is
+cancelled and ``srun`` killed.
+
+The daemons outlive the test run (the next run finds them up in well under a
+second); ``bash scripts/start_slurm.sh stop`` stops them.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+START = ROOT / "scripts" / "start_slurm.sh"
+#: The script's own waits add up to about 3 minutes when apt-get has to install.
+START_TIMEOUT = 240.0
+#: Variables through which a launcher tells a process its place in a job: none
+#: of the test process's own may reach the step's tasks.
+_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "HOROVOD_", "TORCHELASTIC_")
+_LAUNCHER_VARIABLES = (
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+)  # fmt: skip
+_READY = re.compile(r"^slurm: ready \(SLURM_CONF=(.+)\)$")
+_jobs = itertools.count()
+
+
+@functools.cache
+def _start() -> tuple[str | None, str | None]:
+    """``(SLURM_CONF, None)`` once Slurm is usable, else ``(None, why not)``."""
+    if os.geteuid() != 0:
+        return None, "not root (scripts/start_slurm.sh starts the Slurm daemons as root)"
+    try:
+        done = subprocess.run(
+            ["bash", str(START)], capture_output=True, text=True, timeout=START_TIMEOUT,
+            stdin=subprocess.DEVNULL, check=False, env=_clean(os.environ),
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return None, f"scripts/start_slurm.sh did not finish within {START_TIMEOUT:g} s"
+    said = [line for line in done.stdout.splitlines() if line.strip()]
+    complained = [line for line in done.stderr.splitlines() if line.strip()]
+    last = (said or complained or [""])[-1].strip()
+    ready = _READY.match(last)
+    if done.returncode == 0 and ready:
+        return ready.group(1), None
+    why = last.removeprefix("slurm: unavailable: ") or f"exit code {done.returncode}"
+    return None, f"scripts/start_slurm.sh: {why}"
+
+
+def unavailable() -> str | None:
+    """Why a real Slurm cannot be used here, or ``None`` if it can (started if need be)."""
+    return _start()[1]
+
+
+def slurm_conf() -> str:
+    """The ``SLURM_CONF`` that the clients of the started Slurm need."""
+    conf, why = _start()
+    if conf is None:
+        raise RuntimeError(f"no Slurm: {why}")
+    return conf
+
+
+def _clean(environ: Mapping[str, str]) -> dict[str, str]:
+    return {
+        name: value
+        for name, value in environ.items()
+        if name not in _LAUNCHER_VARIABLES and not name.startswith(_LAUNCHER_PREFIXES)
+    }
+
+
+def environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What ``srun`` and its tasks run with: this process's variables without any
+    launcher's, ``SLURM_CONF``, the checkout importable, the venv first on the
+    ``PATH``, one thread, unbuffered output."""
+    env = _clean(os.environ)
+    paths = [str(ROOT), *env.get("PYTHONPATH", "").split(os.pathsep)]
+    env.update(
+        SLURM_CONF=slurm_conf(),
+        PYTHONPATH=os.pathsep.join(p for p in paths if p),
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra or {})
+    return env
+
+
+def srun(
+    options: Sequence[str],
+    command: Sequence[str],
+    *,
+    timeout: float = 180.0,
+    env: Mapping[str, str] | None = None,
+) -> tuple[int, str]:
+    """``srun OPTIONS COMMAND`` from the checkout's root: its exit code and its
+    output (every task's stdout and stderr, and srun's own, interleaved).
+
+    Every step is a job of its own on the one node, ended when any task fails
+    (``--kill-on-bad-exit``) and, server-side, after a few minutes. Past
+    ``timeout`` the job is cancelled and ``srun`` killed; the exit code is then
+    -9 and the output ends with a line saying so.
+    """
+    name = f"pyro-distributed-test-{os.getpid()}-{next(_jobs)}"
+    minutes = max(1, int(timeout // 60) + 1)
+    full = [
+        "srun", f"--job-name={name}", f"--time={minutes}", "--kill-on-bad-exit=1",
+        *options, *command,
+    ]  # fmt: skip
+    run_env = environment(env)
+    process = subprocess.Popen(
+        full, cwd=ROOT, env=run_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", f"--name={name}"], env=run_env, timeout=30, check=False)
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        return -9, f"{output}\nsrun did not finish within {timeout:g} s: job {name} cancelled"
+    return process.returncode, output
