@@ -30,23 +30,16 @@ import torch
 import pyro_distributed as pd
 
 from . import cluster, slurm
+from .harness import is_launcher_variable
 
 CUDA_VARIABLE = "PYRO_DISTRIBUTED_TEST_CUDA"
 #: Where the cuda tests put their tensors (tests/test_cuda.py); "cpu" runs them here.
 DEVICE_VARIABLE = "PYRO_DISTRIBUTED_TEST_DEVICE"
 
 
-#: Variables through which a launcher tells a process its place in a job.
-_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "HOROVOD_", "TORCHELASTIC_")
-_LAUNCHER_VARIABLES = (
-    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-    "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
-)  # fmt: skip
-
-
 def pytest_configure(config: pytest.Config) -> None:
     for name in list(os.environ):
-        if name in _LAUNCHER_VARIABLES or name.startswith(_LAUNCHER_PREFIXES):
+        if is_launcher_variable(name):
             del os.environ[name]
     os.environ["OMP_NUM_THREADS"] = "1"
 
@@ -65,7 +58,7 @@ QUICK_LEAVES_OUT = (
     "tests/test_vae_example.py",
     "tests/test_gpu_check.py",
 )
-_OTHER_LAUNCHERS = ("horovod", "mpi", "cluster", "slurm", "integrations", "slow")
+_QUICK_LEAVES_OUT_MARKED = ("horovod", "mpi", "cluster", "slurm", "integrations", "slow")
 _WORLD_PARAMETERS = ("workers", "world_size", "hosts")
 
 
@@ -73,7 +66,7 @@ def _left_out_by_quick(item: pytest.Item) -> bool:
     path = item.nodeid.split("::")[0]
     if path.startswith(QUICK_LEAVES_OUT):
         return True
-    if any(item.get_closest_marker(name) is not None for name in _OTHER_LAUNCHERS):
+    if any(item.get_closest_marker(name) is not None for name in _QUICK_LEAVES_OUT_MARKED):
         return True
     if "three_workers" in item.name or "_w3_" in item.name:
         return True
@@ -100,9 +93,12 @@ def cuda_requested(config: pytest.Config) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--quick"):
-        left_out = [item for item in items if _left_out_by_quick(item)]
+        kept: list[pytest.Item] = []
+        left_out: list[pytest.Item] = []
+        for item in items:
+            (left_out if _left_out_by_quick(item) else kept).append(item)
         config.hook.pytest_deselected(items=left_out)
-        items[:] = [item for item in items if not _left_out_by_quick(item)]
+        items[:] = kept
     _deselect_where_unavailable(
         config, items, "cluster", cluster.unavailable, "no namespace hosts here"
     )

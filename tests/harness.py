@@ -48,6 +48,20 @@ ENGINE_TIMEOUT = 30.0
 DEFAULT_ENGINE = "torch"
 
 
+#: Variables through which a launcher tells a process its place in a job.
+_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "HOROVOD_", "TORCHELASTIC_")
+_LAUNCHER_VARIABLES = frozenset({
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+})  # fmt: skip
+
+
+def is_launcher_variable(name: str) -> bool:
+    """Whether ``name`` is how some launcher (torchrun, Slurm, an MPI, Horovod)
+    tells a process its place in a job; the tests start their own."""
+    return name in _LAUNCHER_VARIABLES or name.startswith(_LAUNCHER_PREFIXES)
+
+
 class WorkerFailure(AssertionError):
     """Some worker raised, died or did not finish; the message shows every worker."""
 

@@ -26,17 +26,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .harness import is_launcher_variable
+
 ROOT = Path(__file__).resolve().parent.parent
 START = ROOT / "scripts" / "start_slurm.sh"
 #: The script's own waits add up to about 3 minutes when apt-get has to install.
 START_TIMEOUT = 240.0
-#: Variables through which a launcher tells a process its place in a job: none
-#: of the test process's own may reach the step's tasks.
-_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "HOROVOD_", "TORCHELASTIC_")
-_LAUNCHER_VARIABLES = (
-    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-    "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
-)  # fmt: skip
 _READY = re.compile(r"^slurm: ready \(SLURM_CONF=(.+)\)$")
 _jobs = itertools.count()
 
@@ -77,11 +72,7 @@ def slurm_conf() -> str:
 
 
 def _clean(environ: Mapping[str, str]) -> dict[str, str]:
-    return {
-        name: value
-        for name, value in environ.items()
-        if name not in _LAUNCHER_VARIABLES and not name.startswith(_LAUNCHER_PREFIXES)
-    }
+    return {name: value for name, value in environ.items() if not is_launcher_variable(name)}
 
 
 def environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
