@@ -22,8 +22,15 @@
 # The config is the smallest that runs under a sandboxed kernel (gVisor,
 # Firecracker): no cgroups (proctrack/linuxproc, task/none), no accounting,
 # MpiDefault=none (Slurm's default: tests ask for --mpi=pmi2 by name), one node
-# named `hostname -s` with nproc CPUs, select/cons_tres on cores. A step of more
-# tasks than CPUs runs with `srun --overcommit`.
+# named `hostname -s`, select/cons_tres on cores. A step of more tasks than CPUs
+# runs with `srun --overcommit`.
+#
+# The node's CPUs, sockets, cores and threads are what `slurmd -C` reads from the
+# hardware, never `nproc`: nproc counts the CPUs this process may run on, and a
+# caller pinned to one CPU (a CI runner, a taskset) would write a one-CPU node on
+# which every `srun -n 2` waits forever ("Requested partition configuration not
+# available now"). For the same reason the daemons are started on every online
+# CPU, and daemons found running with another node shape are restarted.
 set -uo pipefail
 
 DIR=${PYRO_DISTRIBUTED_SLURM_DIR:-/run/pyro-distributed-slurm}
@@ -126,16 +133,29 @@ chmod 0755 "$DIR" "$DIR"/munge # munged wants its socket's directory open to all
 node=$(hostname -s)
 [[ -n "$node" ]] || fail "no host name (hostname -s is empty)"
 
+# The node as slurmd sees the hardware: "CPUs=2 Boards=1 SocketsPerBoard=1 ...".
+shape=$(timeout 20 slurmd -C 2>/dev/null | head -n 1 |
+    grep -oE '(CPUs|Boards|SocketsPerBoard|CoresPerSocket|ThreadsPerCore)=[0-9]+' | tr '\n' ' ')
+[[ "$shape" == *CPUs=* ]] || fail "slurmd -C printed no CPUs"
+shape=${shape% }
+
 alive=0
 for name in "${DAEMONS[@]}"; do
     running "$name" >/dev/null && alive=$((alive + 1))
 done
+# Daemons started from a config of another shape (an older version of this
+# script counted nproc) are restarted.
+grep -qF " $shape RealMemory=" "$CONF" 2>/dev/null || alive=0
 
 if ((alive < ${#DAEMONS[@]})); then
     # Some or none are up: start all three afresh from a fresh config.
     stop
-    cpus=$(nproc)
     memory=$(awk '/^MemTotal:/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
+    # Run on every online CPU (what the config promises), whatever the caller's
+    # affinity; the daemons and their tasks inherit it. Where a cpuset forbids
+    # that, the caller's affinity stays and the tasks share what it allows.
+    online=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+    command -v taskset >/dev/null && taskset -p -c "0-$((online - 1))" $$ >/dev/null 2>&1
     cat >"$CONF" <<EOF
 # Written by scripts/start_slurm.sh: a one-node Slurm for pyro-distributed's tests.
 ClusterName=pyrodist
@@ -168,7 +188,7 @@ ReturnToService=2
 KillWait=5
 InactiveLimit=0
 MinJobAge=30
-NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$memory State=UNKNOWN
+NodeName=$node NodeAddr=127.0.0.1 $shape RealMemory=$memory State=UNKNOWN
 PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
     if [[ ! -s $DIR/munge/munge.key ]]; then
@@ -212,7 +232,7 @@ until state=$(timeout 15 sinfo -h -n "$node" -o %T 2>&1) &&
     sleep 0.5
 done
 overcommit=()
-(($(nproc) >= 2)) || overcommit=(--overcommit)
+[[ "$shape" =~ CPUs=([0-9]+) ]] && ((BASH_REMATCH[1] >= 2)) || overcommit=(--overcommit)
 if ! out=$(timeout 30 srun -n 2 "${overcommit[@]}" --time=1 hostname 2>&1); then
     fail "srun -n 2 hostname failed: $(echo "$out" | tail -n 1)"
 fi

@@ -34,6 +34,10 @@ START = ROOT / "scripts" / "start_slurm.sh"
 START_TIMEOUT = 240.0
 _READY = re.compile(r"^slurm: ready \(SLURM_CONF=(.+)\)$")
 _jobs = itertools.count()
+#: A step whose resources are not granted within this many seconds fails at once
+#: (``srun --immediate``) rather than queueing until its time-out: on a node of
+#: two CPUs that is a node Slurm was told wrongly about, not a busy one.
+IMMEDIATE = 60
 
 
 @functools.cache
@@ -103,7 +107,8 @@ def srun(
     output (every task's stdout and stderr, and srun's own, interleaved).
 
     Every step is a job of its own on the one node, ended when any task fails
-    (``--kill-on-bad-exit``) and, server-side, after a few minutes. Past
+    (``--kill-on-bad-exit``) and, server-side, after a few minutes; one not
+    allocated within :data:`IMMEDIATE` seconds fails with Slurm's reason. Past
     ``timeout`` the job is cancelled and ``srun`` killed; the exit code is then
     -9 and the output ends with a line saying so.
     """
@@ -111,7 +116,7 @@ def srun(
     minutes = max(1, int(timeout // 60) + 1)
     full = [
         "srun", f"--job-name={name}", f"--time={minutes}", "--kill-on-bad-exit=1",
-        *options, *command,
+        f"--immediate={IMMEDIATE}", *options, *command,
     ]  # fmt: skip
     run_env = environment(env)
     process = subprocess.Popen(
