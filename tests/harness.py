@@ -9,8 +9,8 @@ of them when any worker fails, dies or overruns the time limit.
 
 With ``engine="mpi"`` (or :data:`DEFAULT_ENGINE` set to it, as
 ``tests/test_mpi.py`` does to run other files' tests on MPI) the workers are
-started by the real ``mpiexec`` instead, through ``tests/launched_runner.py``
-(:func:`run_under_launcher`, which also starts ``horovodrun``).
+started by the real ``mpiexec`` instead: one launch per world size, whose
+workers run one call after another (``tests/mpi_pool.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ import torch
 
 from pyro_distributed.engines import Engine
 from pyro_distributed.engines.base import ReduceOp
+
+from . import mpi_pool
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "pyro", "pyro_distributed"])
@@ -175,7 +177,7 @@ def run_workers(
     """
     engine = DEFAULT_ENGINE if engine is None else engine
     if engine == "mpi":
-        return _run_once_under_mpiexec(fn, args, world_size, timeout)
+        return _run_on_mpi_pool(fn, args, world_size, timeout)
     port = free_port()
     pipes: dict[int, Connection] = {}
     processes = []
@@ -344,16 +346,17 @@ class HorovodSuites:
         return result
 
 
-def _run_once_under_mpiexec(
+def _run_on_mpi_pool(
     fn: Callable[..., Any], args: tuple[Any, ...], world_size: int, timeout: float
 ) -> list[Any]:
-    """:func:`run_workers` on the mpi engine: one ``mpiexec`` launch for one call."""
-    result = run_under_launcher(
-        "mpi", [("call", fn, args)], world_size=world_size, timeout=timeout, crash_on_error=True
-    )["call"]
-    if isinstance(result, WorkerFailure):
-        raise result
-    return list(result)
+    """:func:`run_workers` on the mpi engine: a call on this world size's one
+    ``mpiexec`` launch (``tests/mpi_pool.py``)."""
+    results, failures = mpi_pool.run(
+        fn, args, world_size, timeout, _launcher("mpi", world_size), ENGINE_TIMEOUT
+    )
+    if failures:
+        raise WorkerFailure(failures, results)
+    return [results[rank] for rank in range(world_size)]
 
 
 class CountingEngine(Engine):

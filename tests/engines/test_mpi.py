@@ -8,7 +8,8 @@ Three kinds of test:
   ``run_workers`` in it starts its workers with ``mpiexec -n W`` (one launch
   per call) instead of the gloo spawner: bitwise equality with one process,
   overlap, ownership, checkpoints with block files, evaluation, Predictive,
-  the noise scale, schedulers, NaN skipping, compression.
+  the noise scale, schedulers, NaN skipping, compression. The calls share one
+  ``mpiexec`` launch per world size (``tests/mpi_pool.py``).
 * **The engine's own collectives** in one ``mpiexec`` launch per world size
   (:data:`SCENARIOS`): detection, ranks, dtypes, errors.
 * **Faults and examples** as users meet them: scripts under ``mpiexec``, with
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pyro
 import pytest
 import torch
 
@@ -148,6 +150,38 @@ def on_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("on_mpi")
 def test_on_mpi(case: str, tmp_path: Path) -> None:
     ON_MPI[case](tmp_path)
+
+
+def pid_and_validation(raise_on: int) -> tuple[int, bool]:
+    """This worker's pid and Pyro's validation switch; switches validation off
+    (a pooled worker must put it back) and raises on worker ``raise_on``."""
+    from pyro.infer.util import is_validation_enabled
+
+    clean = is_validation_enabled() and "TEST_POOL_LEFTOVER" not in os.environ
+    pyro.enable_validation(False)
+    os.environ["TEST_POOL_LEFTOVER"] = "1"
+    if pd.rank() == raise_on:
+        raise ValueError(f"worker {raise_on} fails on purpose")
+    return os.getpid(), clean
+
+
+@pytest.mark.usefixtures("on_mpi")
+def test_pooled_calls_start_clean_and_a_failure_ends_the_pool_with_every_report() -> None:
+    """The calls of ``run_workers`` on MPI share one ``mpiexec`` per world size
+    (``tests/mpi_pool.py``): each call finds what the last one switched put back,
+    a failing call names the raising worker's error and ends the pool, and the
+    next call gets a fresh pool."""
+    first = harness.run_workers(pid_and_validation, -1)
+    second = harness.run_workers(pid_and_validation, -1)
+    assert [pid for pid, _ in first] == [pid for pid, _ in second]  # the same processes
+    assert all(clean for _, clean in first + second)
+    with pytest.raises(WorkerFailure) as info:
+        harness.run_workers(pid_and_validation, 1)
+    assert "worker 1 fails on purpose" in info.value.reports[1]
+    assert 0 in info.value.results or "died without reporting" in info.value.reports[0]
+    after = harness.run_workers(pid_and_validation, -1)
+    assert not {pid for pid, _ in after} & {pid for pid, _ in first}  # a fresh launch
+    assert all(clean for _, clean in after)
 
 
 # --- the engine's collectives, in one launch per world size ----------------------------------
