@@ -8,6 +8,7 @@ run the README's line on two nodes.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +19,12 @@ import torch
 
 from ..cluster import Host, NamespaceCluster
 from ..harness import free_port
+from ..lightning.reference import (
+    FIT_EPOCHS,
+    fit_on_lightnings_own_launcher,
+    fit_regression_options,
+)
+from ..lightning.test_strategy import assert_each_epoch_shares_the_rows, assert_in_sync
 
 pytestmark = pytest.mark.cluster
 
@@ -37,17 +44,23 @@ def _environment() -> dict[str, str]:
 
 
 def _torchrun(
-    cluster: NamespaceCluster, out: Path, steps: int, env: dict[Host, dict[str, str]] | None = None
+    cluster: NamespaceCluster,
+    out: Path,
+    steps: int,
+    env: dict[Host, dict[str, str]] | None = None,
+    script: list[str] | None = None,
 ) -> list[subprocess.Popen[str]]:
-    """One torchrun agent per host, one worker each, the README's multi-node line."""
+    """One torchrun agent per host, one worker each, the README's multi-node line,
+    running ``tests/scripts/multihost_train.py`` (or ``script``: a path and its arguments)."""
     master, port = cluster.hosts[0].address, free_port()
     torchrun = Path(sys.executable).parent / "torchrun"
+    script = script or [str(SCRIPT), str(out), str(steps), str(ENGINE_TIMEOUT)]
     processes = []
     for rank, host in enumerate(cluster.hosts):
         command = [
             str(torchrun), "--nnodes", str(len(cluster.hosts)), "--node-rank", str(rank),
             "--nproc-per-node", "1", "--master-addr", master, "--master-port", str(port),
-            str(SCRIPT), str(out), str(steps), str(ENGINE_TIMEOUT),
+            *script,
         ]  # fmt: skip
         env_here = {**_environment(), **(env or {}).get(host, {})}
         processes.append(cluster.start(host, command, env=env_here, cwd=ROOT))
@@ -62,7 +75,8 @@ def _finish(processes: list[subprocess.Popen[str]], within: float) -> list[tuple
         try:
             output, _ = process.communicate(timeout=max(0.1, start + within - time.monotonic()))
         except subprocess.TimeoutExpired:
-            process.kill()
+            # The whole process group: a worker left alive would hold the pipe open.
+            os.killpg(process.pid, signal.SIGKILL)
             output, _ = process.communicate()
             pytest.fail(f"a host was still running {within:g} s later:\n{output[-4000:]}")
         ended.append((process.returncode, output, time.monotonic() - start))
@@ -94,6 +108,31 @@ def test_torchrun_across_two_hosts_trains_one_model_with_nothing_set_by_hand(
     single = torch.load(alone / "rank0.pt")["params"]
     together = workers[0]["params"]
     assert torch.allclose(together["AutoNormal.locs.w"], single["AutoNormal.locs.w"], atol=0.02)
+
+
+def test_lightning_across_two_hosts_trains_what_its_own_launcher_trains_on_one(
+    tmp_path: Path,
+) -> None:
+    """``Trainer(num_nodes=2, devices=1, strategy=PyroDistributedStrategy())`` under
+    torchrun on two hosts, nothing set by hand: one model, bitwise the one that
+    Lightning's own launcher trains with ``devices=2`` on one host."""
+    out = tmp_path / "hosts"
+    options = fit_regression_options(out, devices=1)
+    with NamespaceCluster(2, rate="1gbit") as cluster:
+        script = [*options, "--num-nodes", "2"]
+        outcomes = _finish(_torchrun(cluster, out, steps=0, script=script), within=240)
+    for code, output, _ in outcomes:
+        assert code == 0, output[-4000:]
+    records = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    assert [r["host"] for r in records] == ["host0", "host1"]
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["world_size"] == 2 and r["engine_world_size"] == 2 for r in records)
+    assert_in_sync(records)
+    assert_each_epoch_shares_the_rows(records, epochs=FIT_EPOCHS)
+    for rank, own in enumerate(fit_on_lightnings_own_launcher()):
+        assert records[rank]["seen"] == own["seen"], rank
+        for name, value in records[rank]["posterior"].items():
+            assert torch.equal(value, own["posterior"][name]), (rank, name)
 
 
 def test_a_worker_that_would_listen_on_loopback_stops_every_host_at_once(tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ import pytest
 import torch
 
 from .. import slurm
-from ..harness import run_script
+from ..lightning.reference import FIT_EPOCHS, fit_on_lightnings_own_launcher, fit_regression_options
 from ..lightning.test_strategy import assert_each_epoch_shares_the_rows, assert_in_sync
 from ..test_examples import QUICKSTART_WIDTH, quickstart_posterior
 
@@ -34,7 +33,6 @@ pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = "examples/quickstart.py"
-FIT_REGRESSION = "tests/lightning/scripts/fit_regression.py"
 JOIN_AND_REPORT = "tests/scripts/join_and_report.py"
 
 #: Runs the script named first as ``__main__``, then reports what this task joined.
@@ -129,10 +127,6 @@ def test_three_tasks_without_a_pmi_join_one_torch_world() -> None:
     assert joined == [f"joined torch {rank} 3 3" for rank in range(3)], output
 
 
-def fit_regression_options(out: Path) -> list[str]:
-    return [FIT_REGRESSION, "--out", str(out), "--devices", "2", "--plan", "auto", "--epochs", "4"]
-
-
 @pytest.fixture(scope="module")
 def lightning_under_srun(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[Any]]:
     out = tmp_path_factory.mktemp("srun") / "out"
@@ -153,21 +147,18 @@ def test_lightning_under_srun_trains_one_model_on_two_workers(
     assert all(r["world_size"] == 2 and r["engine_world_size"] == 2 for r in records)
     assert all(r["engine"] == "torch" for r in records)
     assert_in_sync(records)
-    assert_each_epoch_shares_the_rows(records, epochs=4)
+    assert_each_epoch_shares_the_rows(records, epochs=FIT_EPOCHS)
     assert [r["global_step"] for r in records] == [20, 20]
     assert [r["reduce_sum"] for r in records] == [3.0, 3.0]
     assert [r["broadcast"] for r in records] == ["from 1", "from 1"]
 
 
 def test_lightning_under_srun_trains_what_lightnings_own_launcher_trains(
-    lightning_under_srun: tuple[str, list[Any]], tmp_path: Path
+    lightning_under_srun: tuple[str, list[Any]],
 ) -> None:
     _, under_srun = lightning_under_srun
-    out = tmp_path / "out"
-    code, output = run_script([sys.executable, *fit_regression_options(out)], ROOT, timeout=180)
-    assert code == 0, f"exit {code}\n{output}"
-    for rank, record in enumerate(under_srun):
-        own = torch.load(out / f"rank{rank}.pt")
+    for record, own in zip(under_srun, fit_on_lightnings_own_launcher(), strict=True):
+        rank = record["rank"]
         assert record["seen"] == own["seen"], rank
         for name, value in record["posterior"].items():
             assert torch.equal(value, own["posterior"][name]), (rank, name)

@@ -28,6 +28,7 @@ import hashlib
 import os
 import resource
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,7 @@ def main() -> None:
     parser.add_argument("--strategy", choices=["ours", "ddp"], default="ours")
     parser.add_argument("--engine", default="auto", help="PyroDistributedStrategy(engine=...)")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...)")
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--batch", type=int, default=100, help="rows per worker per step")
     parser.add_argument("--lr", type=float, default=0.05, help="the automatic plan's Adam")
@@ -284,6 +286,7 @@ def main() -> None:
         callbacks=callbacks,
         accelerator="cpu",
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=strategy,
         max_epochs=args.epochs,
         enable_progress_bar=False,
@@ -321,6 +324,7 @@ def main() -> None:
         "global_step": trainer.global_step,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "engine": pd.current_engine().name,
+        "host": socket.gethostname(),
         "params": snapshot(plan, trainer.strategy.optimizers[0]),
         "restored": getattr(plan, "restored", None),
     }
