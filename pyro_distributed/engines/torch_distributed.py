@@ -119,16 +119,23 @@ class TorchEngine(Engine):
         ``tcp://``), with keys unique to this restart, over an interface that
         the other hosts can reach.
 
-        After ``torchrun --max-restarts`` restarts a job, the rendezvous store
+        After ``torchrun --max-restarts`` restarts a job on its agent's store
+        (``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's default), that store
         still holds the previous attempt's connection keys, and workers that
-        read them dial peers that no longer exist. A prefix per restart round
-        keeps every attempt's keys apart. Before gloo connects, every worker
+        read them dial peers that no longer exist. A prefix per restart keeps
+        every attempt's keys apart, as torch's own ``env://`` does. Where each
+        round gets a store of its own (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``),
+        there are no stale keys, and no such prefix: a host restarted by hand
+        counts its restarts from 0 while a survivor counts 1, so the prefix
+        would part workers of the same round. Before gloo connects, every worker
         checks that no worker would advertise a loopback address to another
         host (:mod:`.network`): gloo's own connect would wait unbounded.
         """
         store, rank, world_size = next(rendezvous(url, timeout=timeout))
         store.set_timeout(timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = "0"
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = PrefixStore(f"pyro_distributed/attempt{attempt}", store)
         if world_size > 1:
             choose_gloo_interface(master_addr, port)

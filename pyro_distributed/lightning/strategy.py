@@ -260,7 +260,9 @@ class PyroDistributedStrategy(CheckpointHooks):
         process-group time-out (30 minutes by default).
         """
         environment = self.cluster_environment
-        if environment is not None and environment.world_size() > 1:
+        # Not environment.world_size(): Lightning's own environment learns it
+        # only in DDP's set-up, and the interface must be chosen before that.
+        if environment is not None and self.num_nodes > 1:
             choose_gloo_interface(environment.main_address, environment.main_port)
         super().setup_distributed()
         self._engine = runtime.init(self._engine_name)

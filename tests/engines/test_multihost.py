@@ -8,6 +8,7 @@ run the README's line on two nodes.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -173,3 +174,70 @@ def test_a_lost_host_stops_every_survivor_within_the_time_out(
         assert code != 0
         assert "PyroDistributedError" in output, output[-4000:]
         assert f"worker {hosts - 1} on host {lost.name}" in output, output[-4000:]
+
+
+REGRESSION = ROOT / "examples" / "bayesian_regression.py"
+
+
+def _elastic_agent(
+    cluster: NamespaceCluster, host: Host, port: int, checkpoint: Path
+) -> subprocess.Popen[str]:
+    """One host's torchrun with c10d rendezvous (host0 serves it) and one restart,
+    training the regression example with a checkpoint every 50 steps. Each round
+    of the rendezvous gets a store of its own (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``):
+    torch's shared store gives a host that joins a later round keys that only
+    the first round wrote (docs/guide/clusters.md)."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    serves = host is cluster.hosts[0]
+    command = [
+        str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.hosts[0].address}:{port}",
+        "--rdzv-id", "job", "--rdzv-conf", f"is_host={int(serves)}", "--local-addr", host.address,
+        str(REGRESSION), "--steps=200", "--checkpoint-every=50", f"--checkpoint={checkpoint}",
+    ]  # fmt: skip
+    env = {**_environment(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return cluster.start(host, command, env=env, cwd=ROOT)
+
+
+def _checkpointed_steps(checkpoint: Path) -> int:
+    try:
+        return int(torch.load(checkpoint, weights_only=False)["num_steps"])
+    except (OSError, EOFError, RuntimeError, KeyError):
+        return 0  # not written yet, or being replaced
+
+
+def test_a_host_restarted_by_hand_rejoins_and_the_run_resumes_bitwise(tmp_path: Path) -> None:
+    """``torchrun --max-restarts 1`` with c10d rendezvous on two hosts: host1 is
+    killed (every process, SIGKILL) after the checkpoint at step 100 and its
+    torchrun started again by hand. Host0's worker names the lost worker, its
+    agent restarts it, the restarted host joins the new round, and the run
+    resumes from the checkpoint and ends bitwise equal to an uninterrupted run."""
+    clean, crashed = tmp_path / "clean.pt", tmp_path / "crashed.pt"
+    with NamespaceCluster(2) as cluster:
+        port = free_port()
+        for code, output, _ in _finish(
+            [_elastic_agent(cluster, host, port, clean) for host in cluster.hosts], within=180
+        ):
+            assert code == 0, output[-4000:]
+
+        port = free_port()
+        first, lost = (_elastic_agent(cluster, host, port, crashed) for host in cluster.hosts)
+        deadline = time.monotonic() + 120
+        while _checkpointed_steps(crashed) < 100:
+            assert time.monotonic() < deadline, "no checkpoint at step 100 within 120 s"
+            assert first.poll() is None and lost.poll() is None, "a host stopped early"
+            time.sleep(0.2)
+        cluster.kill_host(cluster.hosts[1])
+        lost.communicate(timeout=30)
+        again = _elastic_agent(cluster, cluster.hosts[1], port, crashed)
+        outcomes = _finish([first, again], within=180)
+    for code, output, _ in outcomes:
+        assert code == 0, output[-4000:]
+    survivor, both = outcomes[0][1], "\n".join(output for _, output, _ in outcomes)
+    # The rendezvous orders the hosts: host1 may be worker 0 or 1 in either round.
+    assert re.search(r"worker \d on host host1 \(pid \d+\) has exited", survivor), survivor[-4000:]
+    assert re.search(r"resumed from .* at step (100|150)", both), both[-6000:]
+    a, b = (torch.load(path, weights_only=False) for path in (clean, crashed))
+    assert a["num_steps"] == b["num_steps"] == 200
+    for name, value in a["param_store"]["params"].items():
+        assert torch.equal(b["param_store"]["params"][name], value), name
