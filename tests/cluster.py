@@ -151,6 +151,29 @@ class NamespaceCluster:
         self._processes.append(process)
         return process
 
+    def hydra_launcher(self, directory: Path) -> Path:
+        """A script, written into ``directory``, that MPICH's ``mpiexec`` can use
+        in place of ``ssh`` (``-launcher ssh -launcher-exec SCRIPT -hosts ADDRESSES``):
+        given a host's address and a command, it runs the command on that host."""
+        cases = "\n".join(
+            f"    {host.address}) ns={host.namespace} name={host.name} ;;" for host in self.hosts
+        )
+        script = directory / "enter_host.sh"
+        script.write_text(
+            "#!/bin/sh\n"
+            "# Hydra's ssh: [options] HOST COMMAND... runs COMMAND on namespace host HOST.\n"
+            'while [ "${1#-}" != "$1" ]; do shift; done\n'
+            'case "$1" in\n'
+            f"{cases}\n"
+            '    *) echo "no namespace host $1" >&2; exit 255 ;;\n'
+            "esac\n"
+            "shift\n"
+            'exec ip netns exec "$ns" unshare --uts '
+            'sh -c \'hostname "$0" && exec sh -c "$1"\' "$name" "$*"\n'
+        )
+        script.chmod(0o755)
+        return script
+
     def pids(self, host: Host) -> list[int]:
         """Every process now running on ``host``."""
         listed = subprocess.run(

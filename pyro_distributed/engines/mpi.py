@@ -43,6 +43,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -67,6 +68,9 @@ INSTALL_HINT = (
     "On a cluster, build mpi4py against the system's MPI instead: "
     "`pip install --no-binary mpi4py mpi4py` with that MPI's `mpicc` on the PATH."
 )
+
+#: Seconds that MPI_Abort may take before the process ends itself (SIGALRM).
+_ABORT_GRACE_S = 5
 
 #: How often a waiting worker looks for peers on its machine that have exited.
 _LIVENESS_INTERVAL = 0.5
@@ -356,5 +360,12 @@ class MPIEngine(Engine):
                 print(f"pyro_distributed: {err}", file=sys.stderr, flush=True)
         if self._health.failed or dying:
             sys.stderr.flush()
+            # MPI_Abort asks the launcher to end the job, and waits for it. A
+            # launcher that cannot reach a lost host's proxy (a cut link) never
+            # answers, and the worker would spin in MPI_Abort past every
+            # time-out. The kernel's alarm ends this process regardless; no
+            # Python thread could, since MPI_Abort may hold the GIL.
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(_ABORT_GRACE_S)
             self._comm.Abort(1)
         self._comm.Free()

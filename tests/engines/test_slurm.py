@@ -73,14 +73,17 @@ def tasks(output: str) -> dict[int, dict[str, Any]]:
     return reports
 
 
-def assert_one_model(output: str, engine: str, world_size: int) -> dict[int, dict[str, Any]]:
-    """Every task joined ``engine`` in one world of ``world_size`` and ends with the
-    same parameters; worker 0 alone printed the posterior of all the data."""
+def assert_one_model(
+    output: str, engine: str, world_size: int, per_node: int | None = None
+) -> dict[int, dict[str, Any]]:
+    """Every task joined ``engine`` in one world of ``world_size`` (``per_node``
+    tasks on each node, all on one by default) and ends with the same
+    parameters; worker 0 alone printed the posterior of all the data."""
     reports = tasks(output)
     assert sorted(reports) == list(range(world_size)), output
     for rank, report in reports.items():
         assert (report["engine"], report["world"]) == (engine, world_size), output
-        assert report["local"] == rank, output  # one node: local rank = rank
+        assert report["local"] == rank % (per_node or world_size), output
     assert len({report["params"] for report in reports.values()}) == 1, "workers diverged"
     # tests/test_examples.py's check of the example, on every launcher.
     assert output.count("predictions: (1000, 1001)") == 1, "gathered on worker 0 only"
