@@ -24,7 +24,8 @@ Design:
   be cancelled), so :meth:`MPIEngine.shutdown`, which also runs at exit, ends
   the whole job with ``MPI_Abort``: ``mpirun`` exits non-zero instead of
   hanging in a peer's collective or in ``MPI_Finalize``. A script that dies
-  of an uncaught exception aborts the job the same way.
+  of an uncaught exception aborts the job the same way. Where the launcher
+  cannot answer the abort (a host cut off), the worker ends itself 5 s later.
 * **Polling.** A waiting worker tests its request in a loop, as MPI's own
   blocking calls poll: for the first 0.2 ms nothing but tests (the clock, the
   time-out and the peers are looked at every 16th), then yielding the core
