@@ -46,6 +46,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -365,8 +366,10 @@ class MPIEngine(Engine):
             # launcher that cannot reach a lost host's proxy (a cut link) never
             # answers, and the worker would spin in MPI_Abort past every
             # time-out. The kernel's alarm ends this process regardless; no
-            # Python thread could, since MPI_Abort may hold the GIL.
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(_ABORT_GRACE_S)
+            # Python thread could, since MPI_Abort may hold the GIL. (Handlers
+            # can be set from the main thread only, where atexit runs.)
+            if hasattr(signal, "alarm") and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(_ABORT_GRACE_S)
             self._comm.Abort(1)
         self._comm.Free()
