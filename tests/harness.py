@@ -25,10 +25,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from pyro_distributed.engines import Engine
 from pyro_distributed.engines.base import ReduceOp
 
 from . import mpi_pool
+from .reports import gather_reports
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "pyro", "pyro_distributed"])
@@ -193,26 +193,11 @@ def run_workers(
         pipes[rank] = parent_end
         processes.append(process)
 
-    results: dict[int, Any] = {}
-    failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
-    waiting = dict(pipes)
-    while waiting and time.monotonic() < deadline:
-        for conn in wait(list(waiting.values()), timeout=deadline - time.monotonic()):
-            rank = next(r for r, c in waiting.items() if c is conn)
-            del waiting[rank]
-            try:
-                status, payload = pickle.loads(conn.recv_bytes())
-            except EOFError:
-                processes[rank].join(5)
-                failures[rank] = f"died without reporting (exit code {processes[rank].exitcode})"
-                continue
-            if status == "ok":
-                results[rank] = payload
-            else:
-                failures[rank] = payload
-    for rank in waiting:
-        failures[rank] = f"did not finish within {timeout:g} s"
+    def died(rank: int) -> str:
+        processes[rank].join(5)
+        return f"died without reporting (exit code {processes[rank].exitcode})"
+
+    results, failures = gather_reports(pipes, timeout, died)
     for process in processes:
         process.join(5)
         if process.is_alive():

@@ -29,12 +29,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+from .reports import gather_reports
 
 ROOT = Path(__file__).resolve().parent.parent
 #: How long a fresh pool may take to connect back (mpiexec, imports, a busy machine).
@@ -103,22 +104,9 @@ class MpiPool:
         job = pickle.dumps((f"{fn.__module__}:{fn.__name__}", args))
         for connection in self.connections.values():
             connection.send_bytes(job)
-        results: dict[int, Any] = {}
-        failures: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        waiting = dict(self.connections)
-        while waiting and time.monotonic() < deadline:
-            for ready in wait(list(waiting.values()), timeout=deadline - time.monotonic()):
-                rank = next(r for r, c in waiting.items() if c is ready)
-                del waiting[rank]
-                try:
-                    status, payload = pickle.loads(ready.recv_bytes())
-                except (EOFError, OSError):
-                    failures[rank] = "died without reporting"
-                    continue
-                (results if status == "ok" else failures)[rank] = payload
-        for rank in waiting:
-            failures[rank] = f"did not finish within {timeout:g} s"
+        results, failures = gather_reports(
+            self.connections, timeout, lambda _: "died without reporting"
+        )
         if failures:
             self.kill()
             ending = f"; the pool's output ends:\n{self.log_tail}"
