@@ -26,9 +26,16 @@ from lightning.fabric.plugins import ClusterEnvironment
 
 from ..engines import Engine
 from ..engines.horovod import HorovodEngine
+from ..engines.network import choose_gloo_interface
 from ..errors import PyroDistributedError
 
-__all__ = ["LauncherEnvironment", "check_devices", "check_world_size", "resolve_engine"]
+__all__ = [
+    "LauncherEnvironment",
+    "check_devices",
+    "check_world_size",
+    "reach_other_hosts",
+    "resolve_engine",
+]
 
 
 def resolve_engine(engine: str) -> str:
@@ -103,3 +110,18 @@ class LauncherEnvironment(ClusterEnvironment):
 
     def node_rank(self) -> int:
         return self._engine.rank // self._devices
+
+
+def reach_other_hosts(environment: ClusterEnvironment | None, num_nodes: int) -> None:
+    """Before Lightning makes its process group across hosts, tell gloo the
+    interface that reaches ``MASTER_ADDR``, as the torch engine does for its own.
+
+    Where this host's name resolves to loopback (stock Debian and Ubuntu
+    nodes), gloo would otherwise advertise loopback: the other host's worker
+    fails with "connection refused" and this one waits for Lightning's
+    process-group time-out (30 minutes by default). Decided by ``num_nodes``,
+    not ``environment.world_size()``: Lightning's own environment learns the
+    world size only in DDP's set-up, after the interface must be chosen.
+    """
+    if environment is not None and num_nodes > 1:
+        choose_gloo_interface(environment.main_address, environment.main_port)

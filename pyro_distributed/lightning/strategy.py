@@ -54,7 +54,6 @@ from .. import runtime
 from ..checks import check_bool
 from ..data.subsample import shard_subsamples
 from ..engines import ENGINE_NAMES, Engine, engine_class
-from ..engines.network import choose_gloo_interface
 from ..errors import PyroDistributedError
 from ..local.sparse import check_local_updates
 from ..optim.torch_optimizer import DistributedTorchOptimizer
@@ -250,20 +249,9 @@ class PyroDistributedStrategy(CheckpointHooks):
         self._check_world_size()
 
     def setup_distributed(self) -> None:
-        """Lightning's process group (made by DDP's set-up), then the engine on it.
-
-        Where the workers span hosts and this host's name resolves to loopback
-        (stock Debian and Ubuntu nodes), gloo is first told the interface that
-        reaches ``MASTER_ADDR``, as the torch engine does for its own group:
-        otherwise gloo would advertise loopback, the other host's worker would
-        fail with "connection refused" and this one wait for Lightning's
-        process-group time-out (30 minutes by default).
-        """
-        environment = self.cluster_environment
-        # Not environment.world_size(): Lightning's own environment learns it
-        # only in DDP's set-up, and the interface must be chosen before that.
-        if environment is not None and self.num_nodes > 1:
-            choose_gloo_interface(environment.main_address, environment.main_port)
+        """Lightning's process group (made by DDP's set-up, over an interface
+        the other hosts reach: :func:`launch.reach_other_hosts`), then the engine on it."""
+        launch.reach_other_hosts(self.cluster_environment, self.num_nodes)
         super().setup_distributed()
         self._engine = runtime.init(self._engine_name)
         self._check_world_size()
