@@ -14,6 +14,9 @@ abundances, and draws ``docs/cell2location_w1_vs_w2.png``::
 
 ``--run`` trains one configuration (Lightning's launcher re-runs the script
 once per extra worker) and writes its abundances to ``--out``.
+``--write-h5ad FILE`` writes the data set to an ``.h5ad`` (CSR counts); with
+``--h5ad FILE`` a run reads it back through ``read_h5ad_by_rows``, each
+worker reading its own spots' counts only (``--in-memory``: all of it).
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     scvi.settings.seed = args.seed
-    adata, signatures, _ = synthetic_visium(args.spots, args.genes, args.types, seed=args.data_seed)
+    adata, signatures = load(args)
     Cell2location.setup_anndata(adata, batch_key="sample")
     guide: dict[str, Any] = {}
     if args.guide != "AutoNormal":
@@ -96,6 +99,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model = Cell2location(
         adata, cell_state_df=signatures, N_cells_per_location=8, detection_alpha=20, **guide
     )
+    reads = {"setup": _reads(adata)}
     options: dict[str, Any] = {}
     if args.devices > 1 or args.mode != "single":
         owned = args.mode == "owned"
@@ -116,14 +120,61 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         **options,
     )
     seconds = time.perf_counter() - started
+    reads["train"] = _reads(adata)
     held = _spots_held(model)
     if args.mode == "owned":  # each worker summarises its own spots
         with owned_posterior(model):
             model.export_posterior(adata, use_quantiles=True, add_to_obsm=["q50"])
     else:
         model.export_posterior(adata, use_quantiles=True, add_to_obsm=["q50"])
+    reads["export"] = _reads(adata)
     abundance = adata.obsm["q50_cell_abundance_w_sf"].to_numpy()
-    return {"abundance": abundance, "seconds": seconds, "spots_held": held}
+    return {"abundance": abundance, "seconds": seconds, "spots_held": held, "reads": reads}
+
+
+def write_h5ad(args: argparse.Namespace) -> None:
+    """The synthetic data set as an ``.h5ad`` file: counts in CSR, the
+    signatures in ``varm["signatures"]`` (genes x types)."""
+    import scipy.sparse
+
+    adata, signatures, _ = synthetic_visium(args.spots, args.genes, args.types, seed=args.data_seed)
+    adata.X = scipy.sparse.csr_matrix(adata.X)
+    adata.varm["signatures"] = signatures.to_numpy()
+    adata.write_h5ad(args.write_h5ad)
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The AnnData and signatures: made in memory, or read from ``--h5ad``
+    (whole, or by rows: each worker reads its own spots' counts only)."""
+    import pandas
+
+    if args.h5ad is None:
+        adata, signatures, _ = synthetic_visium(
+            args.spots, args.genes, args.types, seed=args.data_seed
+        )
+        return adata, signatures
+    if args.in_memory:
+        import anndata
+
+        adata = anndata.read_h5ad(args.h5ad)
+    else:
+        from pyro_distributed.lightning.rows_on_disk import read_h5ad_by_rows
+
+        adata = read_h5ad_by_rows(args.h5ad)
+    table = np.asarray(adata.varm["signatures"])
+    columns = [f"type{f}" for f in range(table.shape[1])]
+    return adata, pandas.DataFrame(table, index=adata.var_names, columns=columns)
+
+
+def _reads(adata: Any) -> dict[str, Any] | None:
+    """What this worker has read of the counts on disk since the last call."""
+    counts = adata.X
+    if not hasattr(counts, "rows_read"):
+        return None
+    reads = {"rows": counts.rows_read, "bytes": counts.bytes_read, "span": counts.row_span}
+    reads["streamed"] = counts.rows_streamed
+    counts.reset_counts()
+    return reads
 
 
 def _spots_held(model: Any) -> int:
@@ -144,6 +195,7 @@ def run_one(args: argparse.Namespace) -> None:
     if rank == 0:
         np.savez(args.out, abundance=result["abundance"], seconds=result["seconds"], held=held)
     Path(f"{args.out}.held{rank}").write_text(str(held))
+    Path(f"{args.out}.reads{rank}").write_text(json.dumps(result["reads"]))
     print(f"worker {rank}: holds {held} spots' parameters of {args.spots}", flush=True)
 
 
@@ -246,12 +298,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="run.npz")
     parser.add_argument("--guide", default="AutoNormal", help="or AutoNormalMessenger, ...")
     parser.add_argument("--local-updates", choices=["dense", "sparse"], default="dense")
+    parser.add_argument("--h5ad", default=None, help="train on this file, read by rows")
+    parser.add_argument("--in-memory", action="store_true", help="read --h5ad whole instead")
+    parser.add_argument("--write-h5ad", default=None, help="write the data set here and stop")
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     arguments = parse()
-    if arguments.run:
+    if arguments.write_h5ad:
+        write_h5ad(arguments)
+    elif arguments.run:
         run_one(arguments)
     else:
         compare(arguments)

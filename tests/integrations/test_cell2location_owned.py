@@ -11,6 +11,7 @@ spots' parameters each worker held.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -42,6 +43,8 @@ def train(tmp_path: Path, name: str, *extra: str, devices: int = 2, timeout: flo
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     result = dict(np.load(out))
     result["held"] = [int(Path(f"{out}.held{rank}").read_text()) for rank in range(devices)]
+    reads = [Path(f"{out}.reads{rank}").read_text() for rank in range(devices)]
+    result["reads"] = [json.loads(text) for text in reads]
     return result
 
 
@@ -92,6 +95,47 @@ def test_messenger_guides_own_their_spots(tmp_path: Path, guide: str) -> None:
     result = train(tmp_path, guide, "--epochs", "150", "--guide", guide)
     assert result["held"] == [150, 151]
     assert np.corrcoef(result["abundance"].ravel(), single["abundance"].ravel())[0, 1] > 0.8
+
+
+# -- counts read from the file by rows (read_h5ad_by_rows)
+
+
+@pytest.fixture(scope="module")
+def h5ad(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same synthetic spots, written as an .h5ad with CSR counts."""
+    path = tmp_path_factory.mktemp("h5ad") / "spots.h5ad"
+    command = [sys.executable, str(EXAMPLE), "--write-h5ad", str(path)]
+    command += ["--spots", str(SPOTS), "--genes", str(GENES), "--types", str(TYPES)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    subprocess.run(command, env=env, check=True, capture_output=True, timeout=300)
+    return path
+
+
+@pytest.mark.parametrize("batches", ["full batch", "mini-batches"])
+def test_each_worker_reads_only_its_spots_and_trains_as_from_memory(
+    tmp_path: Path, h5ad: Path, batches: str
+) -> None:
+    epochs = 30 if batches == "full batch" else 10
+    options = ["--h5ad", str(h5ad), "--epochs", str(epochs)]
+    if batches == "mini-batches":
+        options += ["--batch-size", "40"]  # 4 batches of each worker's 150 or 151 spots
+    by_rows = train(tmp_path, "by-rows", *options)
+    whole = train(tmp_path, "whole", *options, "--in-memory")
+    # The same counts, the same arithmetic: the same abundances, bitwise.
+    assert np.array_equal(by_rows["abundance"], whole["abundance"])
+    assert by_rows["held"] == whole["held"] == [150, 151]
+    for block, reads in zip([(0, 150), (150, 301)], by_rows["reads"], strict=True):
+        size = block[1] - block[0]
+        # Set-up: cell2location's mean total count streams past every spot,
+        # scvi-tools' count check reads the first 100 rows; nothing else.
+        assert reads["setup"]["streamed"] == SPOTS
+        assert reads["setup"]["rows"] == 100 and reads["setup"]["span"] == [0, 100]
+        # Training and the owned posterior: this worker's spots only.
+        assert reads["train"]["span"] == reads["export"]["span"] == list(block), reads
+        if batches == "full batch":  # copied to the device once
+            assert reads["train"]["rows"] == size
+        else:  # every spot once an epoch, and the guide's warm-up batch
+            assert epochs * size < reads["train"]["rows"] <= epochs * size + 40
 
 
 # -- checkpoints through Lightning: c2l_checkpoint.py

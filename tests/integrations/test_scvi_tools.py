@@ -189,3 +189,31 @@ def test_cell2location_at_two_workers_matches_one_within_seed_noise(
     other_seed = spatial["w1-seed1"][0]["loss"]
     two = spatial["w2"][0]["loss"]
     assert abs(two - one) <= 3 * abs(one - other_seed) + 1e-3 * abs(one), (one, other_seed, two)
+
+
+def test_amortized_lda_on_counts_read_by_rows_reads_its_share_and_trains_as_from_memory(
+    lda: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    import importlib.util
+
+    import scipy.sparse
+
+    spec = importlib.util.spec_from_file_location("train_scvi", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    adata = script.synthetic(script.SEED, 400, 50, 5)  # the script's default data set
+    adata.X = scipy.sparse.csr_matrix(adata.X)
+    adata.write_h5ad(tmp_path / "cells.h5ad")
+    by_rows = train(
+        tmp_path / "by-rows", "--model", "lda", "--by-rows", "--h5ad", str(tmp_path / "cells.h5ad")
+    )
+    for record, from_memory in zip(by_rows, lda["w2"], strict=True):
+        # The same counts, the same batches: the same model, bitwise.
+        for name, value in from_memory["params"].items():
+            assert torch.equal(record["params"][name], value), name
+        assert torch.equal(record["latent"], from_memory["latent"])
+        # Each worker read the rows of its share, once per epoch, and the
+        # guide's warm-up batch: one worker reading every row would read twice as many.
+        trained = sum(len(epoch) for epoch in record["rows"])
+        assert trained <= record["reads"]["rows"] <= trained + 64, (trained, record["reads"])

@@ -10,6 +10,11 @@ each epoch (positions in the training set), the module's floating-point
 buffers, the full-data loss and, for ``AmortizedLDA``, every cell's topic
 proportions from ``model.get_latent_representation()``.
 
+``--h5ad FILE`` reads the data set from ``FILE`` instead (whole, or with
+``--by-rows`` through ``read_h5ad_by_rows``, each worker reading the rows it
+trains on only, and recording what it read); ``--owned`` trains with
+``own_local_params=True``, each worker on its block of cells.
+
 ``--hidden-svi`` trains with a plan whose SVI the strategy cannot find (it
 keeps it in a list and steps it itself): the run must stop with
 ``PyroDistributedError``, not end with workers that differ.
@@ -104,7 +109,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     scvi.settings.seed = args.seed
     pyro.clear_param_store()
-    adata = synthetic(SEED, args.cells, args.genes, 5)
+    adata = load(args)
     rows = RowsSeen()
     strategy: Any = "pyro_distributed" if args.devices > 1 else "auto"
     common: dict[str, Any] = {
@@ -115,8 +120,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "enable_progress_bar": False,
         "logger": False,
     }
-    if args.devices > 1 and args.engine != "auto":
-        common["strategy"] = PyroDistributedStrategy(engine=args.engine)
+    if args.devices > 1 and (args.engine != "auto" or args.owned):
+        common["strategy"] = PyroDistributedStrategy(
+            engine=args.engine, own_local_params=args.owned
+        )
     if args.distributed_sampler:
         common["datasplitter_kwargs"] = {"distributed_sampler": True}
     if args.model == "lda":
@@ -126,12 +133,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model = AmortizedLDA(adata, n_topics=4, n_hidden=16)
         if args.hidden_svi:
             model._training_plan_cls = hide_the_svi(model._training_plan_cls)
+        start_counting(adata)
         model.train(max_epochs=args.epochs, batch_size=args.batch_size, lr=1e-2, **common)
     elif args.model == "regression":
         from cell2location.models import RegressionModel
 
         RegressionModel.setup_anndata(adata, labels_key="labels", batch_key="batch")
         model = RegressionModel(adata)
+        start_counting(adata)
         model.train(max_epochs=args.epochs, batch_size=args.batch_size, lr=1e-2, **common)
     else:
         from cell2location.models import Cell2location, RegressionModel
@@ -146,8 +155,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         Cell2location.setup_anndata(adata, batch_key="batch")
         model = Cell2location(adata, cell_state_df=cell_state, N_cells_per_location=5)
         batch_size = None if args.batch_size == 0 else args.batch_size
+        start_counting(adata)
         model.train(max_epochs=args.epochs, batch_size=batch_size, lr=1e-2, **common)
     trainer = model.trainer
+    reads = None
+    if hasattr(adata.X, "rows_read"):  # read by rows: what this worker read while training
+        reads = {"rows": adata.X.rows_read, "span": adata.X.row_span}
     store = pyro.get_param_store()
     # The module's floating-point buffers (AmortizedLDA's encoder BatchNorm
     # statistics), which the strategy averages after every step.
@@ -168,7 +181,27 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "rows": rows.epochs,
         "n_train": len(model.train_indices),
         "loss": full_data_loss(model),
+        "reads": reads,
     }
+
+
+def load(args: argparse.Namespace) -> Any:
+    """The synthetic data set, made here or read from ``--h5ad``."""
+    if args.h5ad is None:
+        return synthetic(SEED, args.cells, args.genes, 5)
+    if not args.by_rows:
+        import anndata
+
+        return anndata.read_h5ad(args.h5ad)
+    from pyro_distributed.lightning.rows_on_disk import read_h5ad_by_rows
+
+    return read_h5ad_by_rows(args.h5ad)
+
+
+def start_counting(adata: Any) -> None:
+    """Count the reads of training only (set-up peeks at the first rows)."""
+    if hasattr(adata.X, "reset_counts"):
+        adata.X.reset_counts()
 
 
 def main() -> None:
@@ -183,6 +216,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--distributed-sampler", action="store_true")
     parser.add_argument("--hidden-svi", action="store_true")
+    parser.add_argument("--h5ad", default=None)
+    parser.add_argument("--by-rows", action="store_true")
+    parser.add_argument("--owned", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
