@@ -1,24 +1,35 @@
-"""cell2location, full batch, W=1 against W=2 replicated and W=2 with owned spots.
+"""cell2location, W=1 against W=2 with owned spots (in memory, and read by rows) and replicated.
 
-For each number of spots N the driver makes one synthetic Visium-like data
-set (``examples/cell2location_spatial.py``'s generator), saves it, and runs
-three configurations, each a fresh ``model.train()`` on CPU:
+For each number of spots N the driver makes one synthetic Visium-HD-like
+data set (``examples/cell2location_spatial.py``'s ``synthetic_visium_hd``:
+sparse negative-binomial counts, 30 cell types, a few hundred counts a bin),
+writes it as an ``.h5ad`` with CSR counts, and runs each configuration, a
+fresh ``model.train()`` on CPU:
 
-* ``W=1``: cell2location as shipped, one process;
-* ``W=2 replicated``: ``PyroDistributedStrategy()``: every worker loads every
-  spot and steps every spot's parameters (today's state without ownership);
+* ``W=1``: cell2location as shipped, one process, the AnnData in memory;
 * ``W=2 owned``: ``PyroDistributedStrategy(own_local_params=True)``: each
-  worker loads and steps its N/2 spots; only per-gene parameters travel.
+  worker loads and steps its N/2 spots, but holds the whole AnnData, as
+  every worker that runs the user's script with ``anndata.read_h5ad`` does;
+* ``W=2 owned, by rows``: the same, the AnnData opened with
+  ``read_h5ad_by_rows``: each worker reads its own spots' counts only;
+* ``W=2 replicated``: ``PyroDistributedStrategy()``: every worker steps
+  every spot's parameters, each on half the data (for reference).
 
 Each worker reports its peak resident memory (``ru_maxrss``), its resident
-memory just before ``model.train()`` (the interpreter, the libraries and the
-AnnData, which every worker holds whole) and the wall time of each epoch;
-the table gives the median epoch after the first. Run::
+memory just before ``model.train()`` (the interpreter, the libraries, the
+AnnData and the model) and the wall time of each epoch; the table gives the
+largest worker's memory and the median epoch after the first (the slowest
+worker's). ``--batch-size`` trains in mini-batches instead of full batch.
+Run::
 
     python benchmarks/bench_cell2location.py --spots 10000 100000
+    python benchmarks/bench_cell2location.py --spots 300000 --genes 2000 --batch-size 10000
 
 and it prints the table and writes ``benchmarks/cell2location.json``
 (``--results`` elsewhere; ``--merge A.json B.json`` joins several runs).
+``--memory-cap MB`` runs every worker under a memory cgroup of that size
+(``benchmarks/memory_cap.py``, root only): a worker that outgrows it is
+killed, and the table says so.
 """
 
 from __future__ import annotations
@@ -38,10 +49,17 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-CONFIGS = {"W=1": (1, "single"), "W=2 owned": (2, "owned"), "W=2 replicated": (2, "replicated")}
+# name: (workers, the strategy's mode, how each worker opens the .h5ad)
+CONFIGS = {
+    "W=1": (1, "single", "memory"),
+    "W=2 owned": (2, "owned", "memory"),
+    "W=2 owned, by rows": (2, "owned", "by-rows"),
+    "W=2 replicated": (2, "replicated", "memory"),
+}
 
 
-def _example() -> Any:
+def load_example() -> Any:
+    """``examples/cell2location_spatial.py`` as a module (its data generators)."""
     spec = importlib.util.spec_from_file_location(
         "example", HERE.parent / "examples" / "cell2location_spatial.py"
     )
@@ -51,7 +69,7 @@ def _example() -> Any:
     return module
 
 
-def _rss_mb() -> float:
+def rss_mb() -> float:
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith("VmRSS:"):
@@ -61,31 +79,22 @@ def _rss_mb() -> float:
 
 def worker(args: argparse.Namespace) -> None:
     """One configuration; every worker writes ``OUT.rank<r>.json``."""
-    import anndata
+    rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by Lightning's launcher for the others
+    group = None
+    if args.memory_cap:
+        from memory_cap import cap_this_process
+
+        group = cap_this_process(args.memory_cap, f"{os.getpid()}-rank{rank}")
     import lightning.pytorch as pl
-    import pandas
     import scvi
     import torch
-    from cell2location.models import Cell2location
 
     from pyro_distributed.lightning import PyroDistributedStrategy
+    from pyro_distributed.lightning.posterior import owned_posterior
 
     torch.set_num_threads(args.threads)
-    scvi.settings.seed = 0
-    saved = np.load(args.data)
-    genes = [f"gene{g}" for g in range(saved["counts"].shape[1])]
-    adata = anndata.AnnData(
-        X=saved["counts"],
-        obs=pandas.DataFrame(
-            {"sample": "s1"}, index=[f"s{i}" for i in range(len(saved["counts"]))]
-        ),
-        var=pandas.DataFrame(index=genes),
-    )
-    signatures = pandas.DataFrame(saved["signatures"], index=genes)
-    Cell2location.setup_anndata(adata, batch_key="sample")
-    model = Cell2location(
-        adata, cell_state_df=signatures, N_cells_per_location=8, detection_alpha=20
-    )
+    scvi.settings.seed = args.seed
+    adata, model = model_from_h5ad(args.data, by_rows=args.read == "by-rows")
     epochs: list[float] = []
 
     class Clock(pl.Callback):
@@ -95,17 +104,18 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
             epochs.append(time.perf_counter() - self.started)
 
-    callbacks: list[Any] = [Clock()]
     options: dict[str, Any] = {}
     if args.devices > 1:
         options["strategy"] = PyroDistributedStrategy(own_local_params=args.mode == "owned")
-    before = _rss_mb()
+    if hasattr(adata.X, "reset_counts"):
+        adata.X.reset_counts()
+    before = rss_mb()
     model.train(
         max_epochs=args.epochs,
-        batch_size=None,
+        batch_size=args.batch_size,
         accelerator="cpu",
         device=args.devices,
-        callbacks=callbacks,
+        callbacks=[Clock()],
         enable_progress_bar=False,
         logger=False,
         enable_checkpointing=False,
@@ -113,31 +123,92 @@ def worker(args: argparse.Namespace) -> None:
     )
     rank = model.trainer.global_rank
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    report = {"rank": rank, "peak_rss_mb": peak, "rss_before_train_mb": before, "epochs_s": epochs}
+    report: dict[str, Any] = {"rank": rank, "peak_rss_mb": peak, "rss_before_train_mb": before}
+    report["epochs_s"] = epochs
+    if group is not None:
+        from memory_cap import peak_megabytes
+
+        report["charged_peak_mb"] = peak_megabytes(group)
+    if hasattr(adata.X, "rows_read"):
+        report["rows_read"], report["row_span"] = adata.X.rows_read, adata.X.row_span
+    if args.abundance:  # the cell abundances (median), every spot's on worker 0
+        if args.mode == "owned":
+            with owned_posterior(model):
+                model.export_posterior(adata, use_quantiles=True, add_to_obsm=["q50"])
+        else:
+            model.export_posterior(adata, use_quantiles=True, add_to_obsm=["q50"])
+        if rank == 0:
+            np.save(f"{args.out}.abundance.npy", adata.obsm["q50_cell_abundance_w_sf"].to_numpy())
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(report))
 
 
+def model_from_h5ad(path: str | Path, *, by_rows: bool) -> tuple[Any, Any]:
+    """The AnnData of ``path`` (read whole, or by rows) and cell2location's
+    model of it, with the signatures that ``write_data`` put in ``varm``."""
+    import anndata
+    import pandas
+    from cell2location.models import Cell2location
+
+    from pyro_distributed.lightning.rows_on_disk import read_h5ad_by_rows
+
+    adata = read_h5ad_by_rows(path) if by_rows else anndata.read_h5ad(path)
+    table = np.asarray(adata.varm["signatures"])
+    columns = [f"type{f}" for f in range(table.shape[1])]
+    signatures = pandas.DataFrame(table, index=adata.var_names, columns=columns)
+    Cell2location.setup_anndata(adata, batch_key="sample")
+    model = Cell2location(
+        adata, cell_state_df=signatures, N_cells_per_location=8, detection_alpha=20
+    )
+    return adata, model
+
+
+def write_data(path: Path, args: argparse.Namespace, spots: int) -> None:
+    """The data set as an ``.h5ad``: CSR counts, the signatures in ``varm``."""
+    adata, signatures = load_example().synthetic_visium_hd(spots, args.genes, args.types, seed=0)
+    adata.varm["signatures"] = signatures.to_numpy()
+    adata.write_h5ad(path)
+
+
+def run(
+    args: argparse.Namespace, data: Path, out: Path, config: str, seed: int = 0
+) -> list[dict[str, Any]] | None:
+    """One configuration; every worker's report, or ``None`` if a worker was
+    killed (by the memory cap's OOM killer)."""
+    devices, mode, read = CONFIGS[config]
+    command = [sys.executable, __file__, "--worker", "--data", str(data), "--out", str(out)]
+    command += ["--devices", str(devices), "--mode", mode, "--read", read]
+    command += ["--epochs", str(args.epochs), "--threads", str(args.threads), "--seed", str(seed)]
+    command += ["--batch-size", str(args.batch_size)] if args.batch_size else []
+    command += ["--memory-cap", str(args.memory_cap)] if args.memory_cap else []
+    command += ["--abundance"] if args.abundance else []
+    env = {**os.environ, "PYTHONPATH": f"{HERE.parent}:{HERE}", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if args.memory_cap:
+        from memory_cap import remove_caps
+
+        remove_caps()
+    paths = [Path(f"{out}.rank{r}.json") for r in range(devices)]
+    if done.returncode != 0 or not all(path.exists() for path in paths):
+        if not args.memory_cap:
+            raise RuntimeError(f"{config} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        return None
+    return [json.loads(path.read_text()) for path in paths]
+
+
 def drive(args: argparse.Namespace) -> None:
-    example = _example()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     for spots in args.spots:
-        adata, signatures, _ = example.synthetic_visium(spots, args.genes, args.types, seed=0)
-        data = workdir / f"data{spots}.npz"
-        np.savez(data, counts=adata.X, signatures=signatures.to_numpy())
-        del adata
-        epochs = args.epochs
-        for name, (devices, mode) in CONFIGS.items():
-            out = workdir / f"{spots}_{mode}_{devices}"
-            command = [sys.executable, __file__, "--worker", "--data", str(data), "--out", str(out)]
-            command += ["--devices", str(devices), "--mode", mode, "--epochs", str(epochs)]
-            command += ["--threads", str(args.threads)]
-            env = {**os.environ, "PYTHONPATH": str(HERE.parent), "PYTHONWARNINGS": "ignore"}
-            subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
-            reports = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(devices)]
-            results[f"{spots} {name}"] = _summary(reports)
-            print(spots, name, results[f"{spots} {name}"], flush=True)
+        data = workdir / f"data{spots}x{args.genes}.h5ad"
+        if not data.exists():
+            write_data(data, args, spots)
+        for config in args.configs:
+            size = f"{spots}x{args.genes}"
+            out = workdir / f"{size}_{config.replace(' ', '_').replace(',', '')}"
+            reports = run(args, data, out, config)
+            results[f"{size} {config}"] = _summary(reports) if reports else {"killed": True}
+            print(size, config, results[f"{size} {config}"], flush=True)
     target = Path(args.results) if args.results else HERE / "cell2location.json"
     target.write_text(json.dumps(results, indent=1))
     print(table(results))
@@ -152,8 +223,9 @@ def merge(paths: list[str]) -> None:
     print(table(results))
 
 
-def _summary(reports: list[dict[str, Any]]) -> dict[str, float]:
+def _summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return {
+        "rows_read": [r.get("rows_read") for r in reports],
         "peak_rss_mb": max(r["peak_rss_mb"] for r in reports),
         "rss_before_train_mb": max(r["rss_before_train_mb"] for r in reports),
         "epoch_s": statistics.median(
@@ -165,17 +237,21 @@ def _summary(reports: list[dict[str, Any]]) -> dict[str, float]:
 def table(results: dict[str, Any]) -> str:
     """The Markdown table of ``results``, each row against W=1 at the same N."""
     lines = [
-        "| spots | configuration | peak RSS per worker (MB) | x W=1 | RSS before train (MB) "
-        "| training's own (MB) | x W=1 | time per epoch (s) | x W=1 |",
+        "| spots x genes | configuration | peak RSS per worker (MB) | x W=1 "
+        "| RSS before train (MB) | training's own (MB) | x W=1 | time per epoch (s) | x W=1 |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, row in results.items():
-        spots, name = key.split(" ", 1)
-        base = results[f"{spots} W=1"]
+        size, name = key.split(" ", 1)
+        spots, genes = (int(n) for n in size.split("x"))
+        if row.get("killed"):
+            lines.append(f"| {spots:,} x {genes:,} | {name} | killed at the cap | | | | | | |")
+            continue
+        base = results[f"{size} W=1"]
         own = row["peak_rss_mb"] - row["rss_before_train_mb"]
         base_own = base["peak_rss_mb"] - base["rss_before_train_mb"]
         lines.append(
-            f"| {int(spots):,} | {name} | {row['peak_rss_mb']:.0f} | "
+            f"| {spots:,} x {genes:,} | {name} | {row['peak_rss_mb']:.0f} | "
             f"{row['peak_rss_mb'] / base['peak_rss_mb']:.2f} | {row['rss_before_train_mb']:.0f} | "
             f"{own:.0f} | {own / base_own:.2f} | {row['epoch_s']:.2f} | "
             f"{row['epoch_s'] / base['epoch_s']:.2f} |"
@@ -198,6 +274,12 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--mode", default="single")
+    parser.add_argument("--read", choices=["memory", "by-rows"], default="memory")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--batch-size", type=int, default=None, help="default: full batch")
+    parser.add_argument("--memory-cap", type=int, default=None, help="MB per worker (root)")
+    parser.add_argument("--abundance", action="store_true", help="export the abundances too")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.merge:
         merge(args.merge)

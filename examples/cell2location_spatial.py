@@ -57,12 +57,7 @@ def synthetic_visium(
     distance = np.linalg.norm(grid[:, None, None, :] - centres[None], axis=-1).min(axis=2)
     density = np.exp(-((distance / 0.15) ** 2)) * rng.gamma(2.0, 1.5, size=(1, n_types))
     abundance = density * (rng.uniform(size=density.shape) < 0.8)
-    # Signatures: a background plus markers, about 1,500 counts per cell.
-    signatures = rng.gamma(0.3, 1.0, size=(n_genes, n_types))
-    markers = rng.integers(0, n_genes, size=(n_types, max(n_genes // n_types, 3)))
-    for cell_type, genes in enumerate(markers):
-        signatures[genes, cell_type] += rng.gamma(3.0, 3.0, size=len(genes))
-    signatures *= 1500.0 / signatures.sum(axis=0, keepdims=True)
+    signatures = _signatures(rng, n_genes, n_types)
     detection = rng.gamma(20.0, 0.05 / 20.0, size=(n_spots, 1))  # ~5% of molecules seen
     gene_scale = rng.gamma(5.0, 0.2, size=(1, n_genes))
     mean = detection * gene_scale * (abundance @ signatures.T)
@@ -76,6 +71,56 @@ def synthetic_visium(
     adata.obsm["spatial"] = grid
     frame = pandas.DataFrame(signatures, index=genes, columns=[f"type{f}" for f in range(n_types)])
     return adata, frame, abundance
+
+
+def _signatures(rng: np.random.Generator, n_genes: int, n_types: int) -> np.ndarray:
+    """Each type's expression: a background plus markers, about 1,500 counts per cell."""
+    signatures = rng.gamma(0.3, 1.0, size=(n_genes, n_types))
+    markers = rng.integers(0, n_genes, size=(n_types, max(n_genes // n_types, 3)))
+    for cell_type, genes in enumerate(markers):
+        signatures[genes, cell_type] += rng.gamma(3.0, 3.0, size=len(genes))
+    return signatures * (1500.0 / signatures.sum(axis=0, keepdims=True))
+
+
+def synthetic_visium_hd(
+    n_spots: int, n_genes: int, n_types: int, seed: int = 0, block: int = 20_000
+) -> tuple[Any, Any]:
+    """Sparse counts at Visium HD's sizes: the same generative story as
+    :func:`synthetic_visium` (types around centres in space, signatures with
+    markers, gamma-Poisson, that is negative-binomial, counts), drawn
+    ``block`` spots at a time, so that no dense spots x genes array is ever
+    made. Bins are smaller than spots: about one to three cells each, a few
+    hundred counts. Returns ``(adata, signatures)``, the counts CSR float32.
+    """
+    import anndata
+    import pandas
+    import scipy.sparse
+
+    rng = np.random.default_rng(seed)
+    side = int(np.ceil(np.sqrt(n_spots)))
+    centres = rng.uniform(size=(n_types, 3, 2))
+    scale = rng.gamma(2.0, 0.3, size=(1, n_types))  # ~2 cells per bin in all
+    signatures = _signatures(rng, n_genes, n_types)
+    gene_scale = rng.gamma(5.0, 0.2, size=(1, n_genes))
+    blocks = []
+    for start in range(0, n_spots, block):
+        spots = np.arange(start, min(start + block, n_spots))
+        grid = np.stack(np.divmod(spots, side), axis=1) / side
+        distance = np.linalg.norm(grid[:, None, None, :] - centres[None], axis=-1).min(axis=2)
+        density = np.exp(-((distance / 0.15) ** 2)) * scale
+        abundance = density * (rng.uniform(size=density.shape) < 0.8)
+        detection = rng.gamma(20.0, 0.1 / 20.0, size=(len(spots), 1))
+        mean = (detection * gene_scale * (abundance @ signatures.T)).astype(np.float32)
+        counts = rng.poisson(rng.gamma(20.0, mean / 20.0 + 1e-12)).astype(np.float32)
+        blocks.append(scipy.sparse.csr_matrix(counts))
+    genes = [f"gene{g}" for g in range(n_genes)]
+    adata = anndata.AnnData(
+        X=scipy.sparse.vstack(blocks, format="csr"),
+        obs=pandas.DataFrame({"sample": "s1"}, index=[f"bin{s}" for s in range(n_spots)]),
+        var=pandas.DataFrame(index=genes),
+    )
+    frame = pandas.DataFrame(signatures, index=genes, columns=[f"type{f}" for f in range(n_types)])
+    return adata, frame
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -248,25 +293,35 @@ def _relative(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _figure(w1: np.ndarray, w2: np.ndarray, w1_other: np.ndarray, args: argparse.Namespace) -> None:
+    draw_against_w1(
+        w1,
+        [(w1_other, "W=1, another seed (the noise)"), (w2, "W=2, spots owned by their worker")],
+        xlabel="cell abundance, W=1 (median)",
+        title=f"cell2location, {args.spots} spots x {args.genes} genes x {args.types} types",
+        target=HERE.parent / "docs" / "cell2location_w1_vs_w2.png",
+    )
+
+
+def draw_against_w1(
+    w1: np.ndarray, others: list[tuple[np.ndarray, str]], *, xlabel: str, title: str, target: Path
+) -> None:
+    """One panel per ``(abundances, title)`` of ``others``, each against W=1's
+    abundances ``w1`` with the diagonal, saved to ``target``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 2, figsize=(9, 4.2), sharex=True, sharey=True)
-    for axis, other, title in (
-        (axes[0], w1_other, "W=1, another seed (the noise)"),
-        (axes[1], w2, "W=2, spots owned by their worker"),
-    ):
+    figure, axes = plt.subplots(1, len(others), figsize=(9, 4.2), sharex=True, sharey=True)
+    for axis, (other, panel) in zip(axes, others, strict=True):
         axis.scatter(w1.ravel(), other.ravel(), s=2, alpha=0.3)
         top = float(max(w1.max(), other.max()))
         axis.plot([0, top], [0, top], color="black", linewidth=0.8)
-        axis.set_title(title, fontsize=10)
-        axis.set_xlabel("cell abundance, W=1 (median)")
+        axis.set_title(panel, fontsize=10)
+        axis.set_xlabel(xlabel)
     axes[0].set_ylabel("cell abundance (median)")
-    figure.suptitle(f"cell2location, {args.spots} spots x {args.genes} genes x {args.types} types")
+    figure.suptitle(title)
     figure.tight_layout()
-    target = HERE.parent / "docs" / "cell2location_w1_vs_w2.png"
     figure.savefig(target, dpi=110)
     print(f"wrote {target}")
 

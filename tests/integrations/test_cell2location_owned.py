@@ -115,7 +115,7 @@ def h5ad(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_each_worker_reads_only_its_spots_and_trains_as_from_memory(
     tmp_path: Path, h5ad: Path, batches: str
 ) -> None:
-    epochs = 30 if batches == "full batch" else 10
+    epochs = 10 if batches == "full batch" else 5
     options = ["--h5ad", str(h5ad), "--epochs", str(epochs)]
     if batches == "mini-batches":
         options += ["--batch-size", "40"]  # 4 batches of each worker's 150 or 151 spots
