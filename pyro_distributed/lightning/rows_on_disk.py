@@ -83,6 +83,8 @@ class RowsOnDisk:
 
     def __init__(self, path: str | Path, key: str = "X") -> None:
         h5py = importlib.import_module("h5py")
+        # What scvi-tools and anndata take as a backed sparse matrix.
+        importlib.import_module("anndata.abc").CSRDataset.register(RowsOnDisk)
         self.path, self.key = str(path), key
         self._file = h5py.File(self.path, "r")
         group = self._file[key]
@@ -219,8 +221,6 @@ def read_h5ad_by_rows(path: str | Path) -> Any:
     """
     anndata = importlib.import_module("anndata")
     h5py = importlib.import_module("h5py")
-    abc = importlib.import_module("anndata.abc")
-    abc.CSRDataset.register(RowsOnDisk)  # what scvi-tools and anndata take as a backed matrix
     read_elem: Any = importlib.import_module("anndata.io").read_elem
     annotations: dict[str, Any] = {}
     with h5py.File(str(path), "r") as file:

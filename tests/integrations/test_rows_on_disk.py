@@ -48,11 +48,14 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
 
 
 def test_rows_are_read_in_any_order_and_only_they_are_counted(written: tuple[Path, Any]) -> None:
+    import anndata.abc
+
     from pyro_distributed.lightning.rows_on_disk import RowsOnDisk
 
     path, counts = written
     rows = RowsOnDisk(path)
     assert rows.shape == counts.shape and rows.dtype == counts.dtype
+    assert isinstance(rows, anndata.abc.CSRDataset)  # scvi-tools reads it as a backed matrix
     for index in ([7, 3, 7, 19_999], np.arange(100, 900), slice(5, 50, 3), [-1, 0]):
         expected = counts[index]
         got = rows[index]
