@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
@@ -221,36 +221,37 @@ class PyroDistributedStrategy(CheckpointHooks):
             super()._configure_launcher()
 
     def setup_environment(self) -> None:
-        """The device, then the workers: DDP's process group and the engine on it,
-        or, with ``engine="horovod"`` or ``"mpi"``, the launcher's workers on
-        that engine and no torch process group. With ``own_local_params``, an
-        scvi-tools data splitter then keeps this worker's block of observations
+        """The device, then the workers (DDP's set-up calls :meth:`setup_distributed`
+        once the device is chosen). With ``own_local_params``, an scvi-tools data
+        splitter then keeps this worker's block of observations
         (:func:`anndata.take_over_splitter`)."""
-        self._setup_workers()
+        assert self.cluster_environment is not None
+        if self._launcher_starts_workers:  # horovodrun, mpiexec: the engine has the ranks
+            self._engine = runtime.init(self._engine_name)
+            launcher = engine_class(self._engine_name).launcher
+            workers = self._engine.world_size
+            launch.check_devices(self.num_nodes, self.num_processes, workers, launcher)
+            # Ranks from the engine, so that each worker takes its own device.
+            self.cluster_environment = launch.LauncherEnvironment(self._engine, self.num_processes)
+        elif self.cluster_environment.creates_processes_externally:  # torchrun, srun
+            workers = self.cluster_environment.world_size()
+            launch.check_devices(self.num_nodes, self.num_processes, workers, "the launcher")
+        super().setup_environment()
         if self.own_local_params and self.lightning_module is not None:
             datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
             self._observations = anndata.take_over_splitter(datamodule)
 
-    def _setup_workers(self) -> None:
-        assert self.cluster_environment is not None
-        if not self._launcher_starts_workers:
-            if self.cluster_environment.creates_processes_externally:  # torchrun, mpiexec
-                workers = self.cluster_environment.world_size()
-                launch.check_devices(self.num_nodes, self.num_processes, workers, "the launcher")
-            super().setup_environment()  # calls setup_distributed()
-            return
-        self._engine = runtime.init(self._engine_name)
-        launcher = engine_class(self._engine_name).launcher
-        launch.check_devices(self.num_nodes, self.num_processes, self._engine.world_size, launcher)
-        # Ranks from the engine, so that each worker takes its own device.
-        self.cluster_environment = launch.LauncherEnvironment(self._engine, self.num_processes)
-        super(DDPStrategy, self).setup_environment()  # the device alone
-        internals.set_rank_zero(self._engine.rank)
-        self._check_world_size()
-
     def setup_distributed(self) -> None:
-        """Lightning's process group (made by DDP's set-up, over an interface
-        the other hosts reach: :func:`launch.reach_other_hosts`), then the engine on it."""
+        """The workers, once the device is chosen. With ``engine="horovod"`` or
+        ``"mpi"`` the engine that :meth:`setup_environment` started, and no torch
+        process group; otherwise Lightning's process group (made by DDP's
+        set-up, over an interface the other hosts reach:
+        :func:`launch.reach_other_hosts`), then the engine on it."""
+        if self._launcher_starts_workers:
+            assert self._engine is not None  # started by setup_environment
+            internals.set_rank_zero(self._engine.rank)
+            self._check_world_size()
+            return
         launch.reach_other_hosts(self.cluster_environment, self.num_nodes)
         super().setup_distributed()
         self._engine = runtime.init(self._engine_name)
