@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from lightning.fabric.plugins import ClusterEnvironment
 
-from ..engines import Engine
-from ..engines.horovod import HorovodEngine
+from ..engines import Engine, engine_class
 from ..engines.network import choose_gloo_interface
 from ..errors import PyroDistributedError
 
@@ -40,7 +39,7 @@ __all__ = [
 
 def resolve_engine(engine: str) -> str:
     """The engine the strategy runs on: ``"auto"`` is ``"horovod"`` under ``horovodrun``."""
-    if engine == "auto" and HorovodEngine.detected():
+    if engine == "auto" and engine_class("horovod").detected():
         return "horovod"
     return engine
 
