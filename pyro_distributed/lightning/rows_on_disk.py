@@ -88,13 +88,14 @@ class RowsOnDisk:
         self.path, self.key = str(path), key
         self._file = h5py.File(self.path, "r")
         group = self._file[key]
-        encoding = group.attrs.get("encoding-type", "dense") if hasattr(group, "attrs") else ""
+        encoding = group.attrs.get("encoding-type", "array")
         if encoding != "csr_matrix":
             self._file.close()
+            where = "adata.X" if key == "X" else f"adata.layers[{key.split('/', 1)[-1]!r}]"
             raise TypeError(
                 f"RowsOnDisk reads CSR matrices, but {key!r} in {self.path} is stored as "
-                f"{encoding!r}; write it as CSR (adata.{key.replace('/', '[')}"
-                f"{']' if '/' in key else ''} = scipy.sparse.csr_matrix(...)) and save again"
+                f"{encoding!r}; write it as CSR ({where} = scipy.sparse.csr_matrix({where})) "
+                f"and save the file again"
             )
         self._data, self._indices = group["data"], group["indices"]
         self._indptr = np.asarray(group["indptr"][:], dtype=np.int64)
