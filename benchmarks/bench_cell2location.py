@@ -144,17 +144,10 @@ def worker(args: argparse.Namespace) -> None:
 
 def model_from_h5ad(path: str | Path, *, by_rows: bool) -> tuple[Any, Any]:
     """The AnnData of ``path`` (read whole, or by rows) and cell2location's
-    model of it, with the signatures that ``write_data`` put in ``varm``."""
-    import anndata
-    import pandas
+    model of it, with the signatures that ``write_data`` saved."""
     from cell2location.models import Cell2location
 
-    from pyro_distributed.lightning.rows_on_disk import read_h5ad_by_rows
-
-    adata = read_h5ad_by_rows(path) if by_rows else anndata.read_h5ad(path)
-    table = np.asarray(adata.varm["signatures"])
-    columns = [f"type{f}" for f in range(table.shape[1])]
-    signatures = pandas.DataFrame(table, index=adata.var_names, columns=columns)
+    adata, signatures = load_example().read_h5ad(path, by_rows=by_rows)
     Cell2location.setup_anndata(adata, batch_key="sample")
     model = Cell2location(
         adata, cell_state_df=signatures, N_cells_per_location=8, detection_alpha=20
@@ -164,9 +157,8 @@ def model_from_h5ad(path: str | Path, *, by_rows: bool) -> tuple[Any, Any]:
 
 def write_data(path: Path, args: argparse.Namespace, spots: int) -> None:
     """The data set as an ``.h5ad``: CSR counts, the signatures in ``varm``."""
-    adata, signatures = load_example().synthetic_visium_hd(spots, args.genes, args.types, seed=0)
-    adata.varm["signatures"] = signatures.to_numpy()
-    adata.write_h5ad(path)
+    example = load_example()
+    example.save_h5ad(*example.synthetic_visium_hd(spots, args.genes, args.types, seed=0), path)
 
 
 def run(

@@ -178,37 +178,47 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def write_h5ad(args: argparse.Namespace) -> None:
-    """The synthetic data set as an ``.h5ad`` file: counts in CSR, the
-    signatures in ``varm["signatures"]`` (genes x types)."""
+    """The synthetic data set as an ``.h5ad`` file (:func:`save_h5ad`)."""
+    adata, signatures, _ = synthetic_visium(args.spots, args.genes, args.types, seed=args.data_seed)
+    save_h5ad(adata, signatures, args.write_h5ad)
+
+
+def save_h5ad(adata: Any, signatures: Any, path: str | Path) -> None:
+    """``adata`` with CSR counts and the signatures in ``varm["signatures"]``
+    (genes x types), as :func:`read_h5ad` reads them back."""
     import scipy.sparse
 
-    adata, signatures, _ = synthetic_visium(args.spots, args.genes, args.types, seed=args.data_seed)
     adata.X = scipy.sparse.csr_matrix(adata.X)
     adata.varm["signatures"] = signatures.to_numpy()
-    adata.write_h5ad(args.write_h5ad)
+    adata.write_h5ad(path)
+
+
+def read_h5ad(path: str | Path, *, by_rows: bool) -> tuple[Any, Any]:
+    """The AnnData and signatures of a file :func:`save_h5ad` wrote: read
+    whole, or by rows (each worker reads its own spots' counts only)."""
+    import pandas
+
+    if by_rows:
+        from pyro_distributed.lightning.rows_on_disk import read_h5ad_by_rows
+
+        adata = read_h5ad_by_rows(path)
+    else:
+        import anndata
+
+        adata = anndata.read_h5ad(path)
+    table = np.asarray(adata.varm["signatures"])
+    columns = [f"type{f}" for f in range(table.shape[1])]
+    return adata, pandas.DataFrame(table, index=adata.var_names, columns=columns)
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The AnnData and signatures: made in memory, or read from ``--h5ad``
-    (whole, or by rows: each worker reads its own spots' counts only)."""
-    import pandas
-
+    """The AnnData and signatures: made in memory, or read from ``--h5ad``."""
     if args.h5ad is None:
         adata, signatures, _ = synthetic_visium(
             args.spots, args.genes, args.types, seed=args.data_seed
         )
         return adata, signatures
-    if args.in_memory:
-        import anndata
-
-        adata = anndata.read_h5ad(args.h5ad)
-    else:
-        from pyro_distributed.lightning.rows_on_disk import read_h5ad_by_rows
-
-        adata = read_h5ad_by_rows(args.h5ad)
-    table = np.asarray(adata.varm["signatures"])
-    columns = [f"type{f}" for f in range(table.shape[1])]
-    return adata, pandas.DataFrame(table, index=adata.var_names, columns=columns)
+    return read_h5ad(args.h5ad, by_rows=not args.in_memory)
 
 
 def _reads(adata: Any) -> dict[str, Any] | None:

@@ -128,16 +128,18 @@ class RowsOnDisk:
         if len(rows) and (rows.min() < -self.shape[0] or rows.max() >= self.shape[0]):
             raise IndexError(f"rows out of range for a matrix of {self.shape[0]} rows")
         rows = np.where(rows < 0, rows + self.shape[0], rows)
-        matrix = self._read(rows)
+        matrix, nbytes = self._read(rows)
         self.rows_read += len(rows)
+        self.bytes_read += nbytes
         if len(rows):
             low, high = int(rows.min()), int(rows.max()) + 1
             span = self.row_span or (low, high)
             self.row_span = (min(span[0], low), max(span[1], high))
         return matrix if _takes_all(columns) else matrix[:, columns]
 
-    def _read(self, rows: np.ndarray) -> Any:
-        """The CSR matrix of ``rows`` (in their order), reading each distinct row once."""
+    def _read(self, rows: np.ndarray) -> tuple[Any, int]:
+        """The CSR matrix of ``rows`` (in their order), reading each distinct row
+        once, and the bytes read from the file (values and column indices)."""
         sparse = importlib.import_module("scipy.sparse")
         distinct, inverse = np.unique(rows, return_inverse=True)
         pieces_data, pieces_indices, lengths = [], [], []
@@ -146,25 +148,23 @@ class RowsOnDisk:
             pieces_data.append(np.asarray(self._data[start:end]))
             pieces_indices.append(np.asarray(self._indices[start:end]))
             lengths.append(np.diff(self._indptr[first : stop + 1]))
-            self.bytes_read += pieces_data[-1].nbytes + pieces_indices[-1].nbytes
+        nbytes = sum(piece.nbytes for piece in pieces_data + pieces_indices)
         data = np.concatenate(pieces_data) if pieces_data else np.zeros(0, self.dtype)
         indices = np.concatenate(pieces_indices) if pieces_indices else np.zeros(0, np.int32)
         indptr = np.concatenate([[0], np.cumsum(np.concatenate(lengths) if lengths else [])])
         shape = (len(distinct), self.shape[1])
         read = sparse.csr_matrix((data, indices, indptr.astype(np.int64)), shape=shape)
         if len(distinct) == len(rows) and np.array_equal(distinct, rows):
-            return read
-        return read[inverse]
+            return read, nbytes
+        return read[inverse], nbytes
 
     def _blocks(self) -> Iterator[Any]:
+        """Consecutive blocks of rows, streamed past: counted in ``rows_streamed``
+        alone, apart from the rows that indexing (a loader) reads."""
         for start in range(0, max(self.shape[0], 1), STREAM_ROWS):  # no rows: one empty block
             stop = min(start + STREAM_ROWS, self.shape[0])
-            counted = (self.rows_read, self.bytes_read, self.row_span)
-            block = self[start:stop]
-            # streamed past, not held: counted apart from the rows a loader reads
-            self.rows_read, self.bytes_read, self.row_span = counted
             self.rows_streamed += stop - start
-            yield block
+            yield self._read(np.arange(start, stop))[0]
 
     def sum(self, axis: int | None = None, dtype: Any = None) -> Any:
         """Sums as a ``scipy.sparse.csr_matrix``'s ``sum`` gives them, streamed.
@@ -178,7 +178,7 @@ class RowsOnDisk:
         parts = [block.sum(axis=axis, dtype=dtype) for block in self._blocks()]
         if axis in (1, -1):  # scipy's own type (np.matrix), stacked without a copy in between
             return np.concatenate(parts, axis=0)
-        return sum(parts[1:], parts[0]) if parts else np.zeros((1, self.shape[1]))
+        return sum(parts[1:], parts[0])  # _blocks yields one block at least
 
     def to_memory(self) -> Any:
         """Every row, as one in-memory CSR matrix (counted as read)."""

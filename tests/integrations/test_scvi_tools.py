@@ -205,9 +205,7 @@ def test_amortized_lda_on_counts_read_by_rows_reads_its_share_and_trains_as_from
     adata = script.synthetic(script.SEED, 400, 50, 5)  # the script's default data set
     adata.X = scipy.sparse.csr_matrix(adata.X)
     adata.write_h5ad(tmp_path / "cells.h5ad")
-    by_rows = train(
-        tmp_path / "by-rows", "--model", "lda", "--by-rows", "--h5ad", str(tmp_path / "cells.h5ad")
-    )
+    by_rows = train(tmp_path / "by-rows", "--model", "lda", "--h5ad", str(tmp_path / "cells.h5ad"))
     for record, from_memory in zip(by_rows, lda["w2"], strict=True):
         # The same counts, the same batches: the same model, bitwise.
         for name, value in from_memory["params"].items():

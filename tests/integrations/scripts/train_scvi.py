@@ -10,10 +10,9 @@ each epoch (positions in the training set), the module's floating-point
 buffers, the full-data loss and, for ``AmortizedLDA``, every cell's topic
 proportions from ``model.get_latent_representation()``.
 
-``--h5ad FILE`` reads the data set from ``FILE`` instead (whole, or with
-``--by-rows`` through ``read_h5ad_by_rows``, each worker reading the rows it
-trains on only, and recording what it read); ``--owned`` trains with
-``own_local_params=True``, each worker on its block of cells.
+``--h5ad FILE`` reads the data set from ``FILE`` instead, through
+``read_h5ad_by_rows``: each worker reads the rows it trains on only, and
+records how many it read.
 
 ``--hidden-svi`` trains with a plan whose SVI the strategy cannot find (it
 keeps it in a list and steps it itself): the run must stop with
@@ -120,10 +119,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "enable_progress_bar": False,
         "logger": False,
     }
-    if args.devices > 1 and (args.engine != "auto" or args.owned):
-        common["strategy"] = PyroDistributedStrategy(
-            engine=args.engine, own_local_params=args.owned
-        )
+    if args.devices > 1 and args.engine != "auto":
+        common["strategy"] = PyroDistributedStrategy(engine=args.engine)
     if args.distributed_sampler:
         common["datasplitter_kwargs"] = {"distributed_sampler": True}
     if args.model == "lda":
@@ -186,13 +183,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load(args: argparse.Namespace) -> Any:
-    """The synthetic data set, made here or read from ``--h5ad``."""
+    """The synthetic data set, made here or read by rows from ``--h5ad``."""
     if args.h5ad is None:
         return synthetic(SEED, args.cells, args.genes, 5)
-    if not args.by_rows:
-        import anndata
-
-        return anndata.read_h5ad(args.h5ad)
     from pyro_distributed.lightning.rows_on_disk import read_h5ad_by_rows
 
     return read_h5ad_by_rows(args.h5ad)
@@ -217,8 +210,6 @@ def main() -> None:
     parser.add_argument("--distributed-sampler", action="store_true")
     parser.add_argument("--hidden-svi", action="store_true")
     parser.add_argument("--h5ad", default=None)
-    parser.add_argument("--by-rows", action="store_true")
-    parser.add_argument("--owned", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
