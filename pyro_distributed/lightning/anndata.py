@@ -45,8 +45,6 @@ from ..errors import PyroDistributedError
 from ..partition import block_range
 from ..seeding import derived_seed
 
-__all__ = ["OwnedBatchSampler", "is_batch_sampler_loader", "owned_loader", "take_over_splitter"]
-
 # scvi-tools' REGISTRY_KEYS.INDICES_KEY: the observation's index, in every batch.
 _INDICES_KEY = "ind_x"
 

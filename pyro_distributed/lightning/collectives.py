@@ -39,16 +39,6 @@ from ..engines import Engine
 from ..errors import PyroDistributedError
 from ..local.gradients import split_local
 
-__all__ = [
-    "all_gather",
-    "barrier",
-    "broadcast",
-    "broadcast_module",
-    "gather_predictions",
-    "leave_together",
-    "reduce",
-]
-
 # Lightning's names for a reduction (also torch's ReduceOp, lower-cased), to the engine's.
 _REDUCE_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 

@@ -40,14 +40,6 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from lightning_utilities.core import rank_zero as utilities_rank_zero
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
-__all__ = [
-    "disable_sampler_injection",
-    "is_local_path",
-    "optimizers_to_device",
-    "set_rank_zero",
-    "with_sampler",
-]
-
 
 def disable_sampler_injection(trainer: Any) -> None:
     """Stop ``trainer`` from replacing loaders' samplers with ``DistributedSampler``."""

@@ -28,14 +28,6 @@ from ..engines import Engine, engine_class
 from ..engines.network import choose_gloo_interface
 from ..errors import PyroDistributedError
 
-__all__ = [
-    "LauncherEnvironment",
-    "check_devices",
-    "check_world_size",
-    "reach_other_hosts",
-    "resolve_engine",
-]
-
 
 def resolve_engine(engine: str) -> str:
     """The engine the strategy runs on: ``"auto"`` is ``"horovod"`` under ``horovodrun``."""

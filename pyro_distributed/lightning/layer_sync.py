@@ -24,8 +24,6 @@ import torch
 from ..engines import Engine
 from ..errors import PyroDistributedError
 
-__all__ = ["apply"]
-
 
 def apply(
     layer_sync: Any, model: torch.nn.Module, device: torch.device, engine: Engine

@@ -48,8 +48,6 @@ from ..errors import PyroDistributedError
 from ..local.registry import local_params
 from ..optim.distributed import DistributedOptimizer
 
-__all__ = ["check_in_sync", "distribute_svi_optimizers"]
-
 
 def distribute_svi_optimizers(
     module: torch.nn.Module, engine: Engine, options: Mapping[str, Any]

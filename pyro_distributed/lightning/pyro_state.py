@@ -26,15 +26,6 @@ from pyro.optim import PyroOptim
 from ..checkpoint.modules import ModuleLocal, module_locals
 from ..data.subsample import shard_subsamples
 
-__all__ = [
-    "create_guide_params",
-    "pyro_optimizer",
-    "pyro_optimizer_state",
-    "pyro_optimizer_steps",
-    "restore_pyro_optimizer",
-    "shard_guide_warmups",
-]
-
 
 def pyro_optimizer(module: Any) -> PyroOptim | None:
     """The Pyro optimizer of ``module.svi`` (scvi-tools' plans), if it has one."""

@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
@@ -53,17 +53,24 @@ from torch.distributed.constants import default_pg_timeout
 from .. import runtime
 from ..checks import check_bool
 from ..data.subsample import shard_subsamples
-from ..engines import ENGINE_NAMES, Engine, engine_class
+from ..engines import Engine, check_engine_name, engine_class
 from ..errors import PyroDistributedError
 from ..local.sparse import check_local_updates
 from ..optim.torch_optimizer import DistributedTorchOptimizer
-from . import anndata, collectives, internals, launch, layer_sync, plans, pyro_state, samplers
-from .checkpoint_hooks import CheckpointHooks
+from . import (
+    anndata,
+    checkpoints,
+    collectives,
+    data,
+    internals,
+    launch,
+    layer_sync,
+    plans,
+    pyro_state,
+)
 
-__all__ = ["PyroDistributedStrategy"]
 
-
-class PyroDistributedStrategy(CheckpointHooks):
+class PyroDistributedStrategy(DDPStrategy):
     """Train a LightningModule data-parallel with this library's optimizers.
 
     :param engine: ``"auto"`` (default: the process group that Lightning or
@@ -160,11 +167,7 @@ class PyroDistributedStrategy(CheckpointHooks):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        if engine not in ("auto", *ENGINE_NAMES) or engine == "local":
-            raise ValueError(
-                f"PyroDistributedStrategy(engine={engine!r}): choose 'auto', 'torch', "
-                f"'horovod' or 'mpi'"
-            )
+        check_engine_name(engine, "PyroDistributedStrategy", local=False)
         check_bool("own_local_params", own_local_params)
         self.local_updates = check_local_updates(
             local_updates, own_local_params, "PyroDistributedStrategy"
@@ -197,6 +200,8 @@ class PyroDistributedStrategy(CheckpointHooks):
         )
         self.shuffle, self.seed = shuffle, seed
         self._optimizer_options = options
+        self._resumption: checkpoints.Resumption | None = None  # the checkpoint being loaded
+        self._resumed_rng: Mapping[str, Any] | None = None  # restored at the first batch
 
     # -- the workers and the engine
 
@@ -343,14 +348,83 @@ class PyroDistributedStrategy(CheckpointHooks):
         """The training loader with :class:`~pyro_distributed.ShardSampler`,
         evaluation and prediction loaders with
         :class:`~pyro_distributed.lightning.data.EvaluationSampler`
-        (:func:`.samplers.shard_loader`); with ``own_local_params``, scvi-tools'
+        (:func:`.data.shard_loader`); with ``own_local_params``, scvi-tools'
         loaders keep this worker's block (:func:`.anndata.owned_loader`). A
-        training loader gets a generator of its own (see ``CheckpointHooks``)."""
+        training loader gets a generator of its own (see the checkpoint hooks)."""
         stage = self.lightning_module.trainer.state.stage if self.lightning_module else None
-        return samplers.prepare_loader(
+        return data.prepare_loader(
             dataloader, self.engine, stage, shuffle=self.shuffle, seed=self.seed,
             own_local_params=self.own_local_params, observations=self._observations,
         )  # fmt: skip
+
+    # -- checkpoints, every worker's part included: lightning/checkpoints.py
+    #
+    # A resumed fit restores the RNG states where the resumed run first draws
+    # for training: at its first batch (on_train_batch_start), not when the
+    # checkpoint is loaded. Between the two the resumed run does what the
+    # uninterrupted one did not: it starts a new DataLoader iterator and runs
+    # the hooks that start training (scvi-tools' guide warm-up draws from the
+    # global RNG). Training loaders get a generator of their own
+    # (data.with_own_generator), so an iterator's base seed is never drawn
+    # from the global RNG, in either run. Draws made in hooks that Lightning
+    # calls before the strategy's on_train_batch_start (callbacks' and the
+    # module's, on that batch) are not covered. Outside a fit (validate,
+    # predict) the states are restored when the checkpoint is loaded.
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Lightning's checkpoint with every worker's RNG states and blocks of local
+        parameters, all or nothing (a collective; see :func:`checkpoints.save`)."""
+        assert self.lightning_module is not None
+        checkpoints.save(
+            checkpoint, filepath, engine=self.engine, module=self.lightning_module,
+            optimizers=self.optimizers, checkpoint_io=self.checkpoint_io,
+            storage_options=storage_options,
+        )  # fmt: skip
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            checkpoints.remove(filepath, self.checkpoint_io)  # the file, then its blocks
+
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        # Lightning 2.6 passes weights_only=; 2.4 and 2.5 pass the path alone.
+        self._resumption = checkpoints.Resumption.of(checkpoint_path)  # where the blocks are
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """The module, this worker's rows of local parameters re-partitioned for
+        this world size, and its RNG states if the world size is the saved one."""
+        module = self.lightning_module
+        assert module is not None
+        if self.own_local_params:  # a Pyro plan's lazily built guide: its parameters, cut
+            pyro_state.create_guide_params(module, getattr(module.trainer, "datamodule", None))
+        state = checkpoints.module_state(checkpoint, self._resumption, module)
+        super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
+        if module.trainer.state.fn == TrainerFn.FITTING:  # where the resumed run first draws
+            self._resumed_rng = {checkpoints.KEY: checkpoint.get(checkpoints.KEY)}
+        else:
+            checkpoints.restore_rng(checkpoint, self.engine)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.lightning_module is not None and self._resumption is not None
+        saved = checkpoint.get(checkpoints.KEY) or {}
+        pyro_state.restore_pyro_optimizer(  # a Pyro plan's optimizer (scvi-tools')
+            self.lightning_module,
+            saved.get("pyro_optim") or {},
+            self._resumption.rows,
+            saved.get("pyro_optim_steps"),
+        )
+        states = checkpoints.optimizer_states(checkpoint, self._resumption)
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
+        checkpoints.restore_counts(checkpoint, self.optimizers)
+
+    def _restore_rng_at_first_batch(self) -> None:
+        """On the first training batch after a restore, the checkpoint's RNG states
+        (see the comment that opens the checkpoint hooks)."""
+        if self._resumed_rng is not None:
+            checkpoints.restore_rng(self._resumed_rng, self.engine)
+            self._resumed_rng = None
 
     # -- collectives on the engine: lightning/collectives.py
 

@@ -1,4 +1,4 @@
-"""Each worker's share of a loader, whatever sampler it came with (lightning/samplers.py).
+"""Each worker's share of a loader, whatever sampler it came with (lightning/data.py).
 
 Run on two real workers (gloo): :func:`shard_loader` reads the engine's rank
 and world size, and a ``DistributedSampler`` its process group's.
@@ -23,7 +23,7 @@ from torch.utils.data import (
 )
 
 import pyro_distributed as pd
-from pyro_distributed.lightning.samplers import shard_loader
+from pyro_distributed.lightning.data import shard_loader
 
 from ..harness import run_workers
 
