@@ -27,6 +27,7 @@ planner's five names stay together in one namespace, ``pd.scaling``
 (``pd.scaling.scaling_advice(...)``).
 """
 
+from . import scaling
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data.plates import data_plate
 from .data.shards import ShardSampler, even_batches, shard, shard_indices
@@ -36,7 +37,6 @@ from .errors import PyroDistributedError
 from .evaluation.loss import evaluate_loss
 from .evaluation.predictive import Predictive
 from .local.rows import gather_param, local_rows
-from .optim import scaling
 from .optim.consistency import assert_in_sync
 from .optim.distributed import DistributedOptimizer
 from .optim.horovod import HorovodOptimizer

@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 import pyro
 import torch
 
-from .. import runtime
-from ..engines import Engine
-from .noise_scale import NoiseScale
+from . import runtime
+from .engines import Engine
+from .optim.noise_scale import NoiseScale
 
 if TYPE_CHECKING:
-    from .distributed import DistributedOptimizer
+    from .optim.distributed import DistributedOptimizer
 
 __all__ = [
     "CollectiveCost",

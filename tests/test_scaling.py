@@ -18,10 +18,10 @@ import torch
 from pyro.infer import SVI, Trace_ELBO
 
 import pyro_distributed as pd
-from pyro_distributed.optim.scaling import DEFAULT_WORKERS
+from pyro_distributed.scaling import DEFAULT_WORKERS
 
-from ..harness import run_workers
-from .test_noise_scale import BATCH, N, dataset, model, normal_guide
+from .harness import run_workers
+from .optim.test_noise_scale import BATCH, N, dataset, model, normal_guide
 
 
 def test_the_fit_recovers_the_line_it_is_given() -> None:
