@@ -25,8 +25,6 @@ from torch import Tensor
 
 from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
 
-__all__ = ["HorovodEngine", "import_horovod"]
-
 INSTALL_HINT = (
     "Horovod is not installed. Build and install it for your torch with "
     "`bash scripts/install_horovod.sh` from the pyro-distributed repository "
@@ -100,6 +98,18 @@ class HorovodEngine(Engine):
         view = HorovodEngine.__new__(HorovodEngine)
         view.__dict__.update(self.__dict__, _owns_init=False, _process_set=process_set, _calls=0)
         return view
+
+    def op_name(self, op: Any) -> str | None:
+        """What Horovod's reduce op ``op`` is (``hvd.Average``: ``"mean"``,
+        ``hvd.Sum``: ``"sum"``, ``hvd.Adasum``: ``"adasum"``), or ``None`` for
+        anything else; so that callers check Horovod's arguments without
+        holding the ``horovod.torch`` module themselves."""
+        ops = {"mean": self.hvd.Average, "sum": self.hvd.Sum, "adasum": self.hvd.Adasum}
+        return next((name for name, known in ops.items() if op == known), None)
+
+    def is_no_compression(self, compression: Any) -> bool:
+        """Whether ``compression`` is ``hvd.Compression.none``."""
+        return compression is self.hvd.Compression.none
 
     @property
     def rank(self) -> int:

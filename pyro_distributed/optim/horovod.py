@@ -33,8 +33,6 @@ from ..exchange import Reduction
 from .distributed import DistributedOptimizer
 from .step import StepOptions
 
-__all__ = ["HorovodOptimizer"]
-
 _HOROVOD_KWARGS = (
     "compression",
     "backward_passes_per_step",
@@ -119,9 +117,9 @@ class HorovodOptimizer(DistributedOptimizer):
 
 def _parse(engine: HorovodEngine, kwargs: Mapping[str, Any]) -> tuple[Reduction, Any]:
     """Check Horovod's keyword arguments as Horovod does; return what they mean."""
-    hvd = engine.hvd
-    op = kwargs.get("op", hvd.Average)
-    if op == hvd.Adasum:
+    op = kwargs.get("op")
+    op_name = engine.op_name(op) if "op" in kwargs else "mean"
+    if op_name == "adasum":
         size = engine.world_size
         if size & (size - 1):
             raise ValueError(f"op=hvd.Adasum needs a power-of-2 number of workers, got {size}")
@@ -130,12 +128,12 @@ def _parse(engine: HorovodEngine, kwargs: Mapping[str, Any]) -> tuple[Reduction,
             "optimizer update, which needs one torch optimizer over all parameters; "
             "use hvd.Average or hvd.Sum"
         )
-    if op not in (hvd.Average, hvd.Sum):
+    if op_name not in ("mean", "sum"):
         raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
 
     predivide = kwargs.get("gradient_predivide_factor", 1.0)
     check_number("gradient_predivide_factor", predivide, positive=True)
-    if predivide != 1.0 and op != hvd.Average:
+    if predivide != 1.0 and op_name != "mean":
         raise ValueError("gradient_predivide_factor not supported with op != Average")
 
     passes = kwargs.get("backward_passes_per_step", 1)
@@ -160,15 +158,17 @@ def _parse(engine: HorovodEngine, kwargs: Mapping[str, Any]) -> tuple[Reduction,
     sparse_as_dense = kwargs.get("sparse_as_dense", False)
     check_bool("sparse_as_dense", sparse_as_dense)
 
-    compression = kwargs.get("compression", hvd.Compression.none)
-    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+    compression = kwargs.get("compression")
+    lossless = "compression" not in kwargs or engine.is_no_compression(compression)
+    if not lossless and not (
+        hasattr(compression, "compress") and hasattr(compression, "decompress")
+    ):
         raise TypeError(
             f"compression must be hvd.Compression.none, hvd.Compression.fp16 or another "
             f"object with compress() and decompress(), got {compression!r}"
         )
-    lossless = compression is hvd.Compression.none
     reduction = Reduction(
-        op="mean" if op == hvd.Average else "sum",
+        op="mean" if op_name == "mean" else "sum",
         predivide=float(predivide),
         compression=None if lossless else compression,
         groups=groups or None,
