@@ -481,7 +481,7 @@ def module_training(workload: Workload, optim_name: str) -> Training:
             raise SystemExit("--optim ddp with several workers needs torchrun")
         module = nn.parallel.DistributedDataParallel(elbo)
     elif ours:
-        optimizer = pyro_distributed.DistributedOptimizer(optimizer)
+        optimizer = pyro_distributed.DistributedTorchOptimizer(optimizer)
 
     def step() -> float:
         optimizer.zero_grad()
@@ -548,7 +548,7 @@ def fitted_cost(parameters: Sequence[tuple[str, Tensor]]) -> dict[str, float]:
     gradient_bytes = sum(p.numel() * p.element_size() for _, p in parameters)
     cost = {"gradient_bytes": float(gradient_bytes)}
     if pyro_distributed.world_size() > 1:
-        sizes = sorted({*pyro_distributed.optim.scaling.DEFAULT_SIZES, gradient_bytes})
+        sizes = sorted({*pyro_distributed.scaling.DEFAULT_SIZES, gradient_bytes})
         timings = pyro_distributed.scaling.measure_collective(sizes=sizes)
         fit = pyro_distributed.scaling.CollectiveCost.fit(timings, pyro_distributed.world_size())
         cost.update(latency_s=fit.latency_s, bandwidth=fit.bandwidth)

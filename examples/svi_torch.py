@@ -87,7 +87,7 @@ def main() -> None:
     guide = AutoNormal(model)
     loss_fn = Trace_ELBO()(model, guide)
     loss_fn(*dataset[: args.batch_size])  # AutoNormal creates its parameters on first use
-    optimizer = pd.DistributedOptimizer(  # (3)
+    optimizer = pd.DistributedTorchOptimizer(  # (3)
         torch.optim.Adam(loss_fn.parameters(), lr=args.lr)
     )
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.92)

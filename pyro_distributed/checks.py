@@ -13,8 +13,6 @@ import math
 from collections.abc import Collection
 from typing import Any
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_number"]
-
 
 def check_bool(name: str, value: Any, *, optional: bool = False) -> None:
     """``value`` must be ``True`` or ``False`` (or ``None`` if ``optional``)."""

@@ -18,14 +18,6 @@ from typing import Any
 from .engines import Engine
 from .errors import PyroDistributedError
 
-__all__ = [
-    "ABSENT",
-    "describe_split",
-    "describe_workers",
-    "first_disagreement",
-    "require_agreement",
-]
-
 
 class _Absent:
     """What a worker holds for an item it did not describe."""

@@ -32,14 +32,6 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = [
-    "CudaTransport",
-    "checkpoint_location",
-    "cuda_device_index",
-    "cuda_transport",
-    "this_gpu",
-]
-
 
 def cuda_device_index(local_rank: int, device_count: int) -> int:
     """The GPU worker ``local_rank`` of a machine takes among the ``device_count`` it sees.

@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["digest", "digest_int"]
-
 
 def _feed(hasher: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor):

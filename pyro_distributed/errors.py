@@ -7,8 +7,6 @@ worker: workers that disagree, a worker that died, a collective that timed out.
 Its message names the parameters and the workers involved.
 """
 
-__all__ = ["PyroDistributedError"]
-
 
 class PyroDistributedError(RuntimeError):
     """Raised when workers disagree, fail or time out.

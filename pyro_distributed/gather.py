@@ -28,8 +28,6 @@ from .digest import digest
 from .engines import Engine
 from .errors import PyroDistributedError
 
-__all__ = ["Destination", "gather_pieces"]
-
 Destination = Literal["main", "all"]
 #: What each worker says of a piece before it travels: shape, dtype, and a
 #: digest of the values for results that must be identical everywhere.

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from . import runtime
 
-__all__ = ["block_range"]
-
 
 def block_range(n: int) -> range:
     """This worker's contiguous block of ``range(n)``: every item on exactly one

@@ -20,20 +20,6 @@ from pyro.optim.optim import _load_state_dict
 from pyro.poutine.subsample_messenger import _Subsample
 from torch import Tensor
 
-__all__ = [
-    "Subsample",
-    "attach_unconstrained",
-    "grad_clip_of",
-    "load_optimizer_state",
-    "module_param",
-    "param_constraint",
-    "pop_waiting_state",
-    "replace_unconstrained",
-    "single_optimizer",
-    "stored_unconstrained",
-]
-
-
 #: The distribution behind a plate's subsample site. Plate probes and sharded
 #: subsampling must recognise that site among sample sites; Pyro exports no
 #: public name or flag for it.

@@ -17,23 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .engines import DEFAULT_TIMEOUT, ENGINE_NAMES, Engine, create_engine, detect_engine
+from .engines import DEFAULT_TIMEOUT, Engine, check_engine_name, create_engine, detect_engine
 from .errors import PyroDistributedError
-
-__all__ = [
-    "all_mean",
-    "all_workers",
-    "any_worker",
-    "barrier",
-    "current_engine",
-    "float_mean",
-    "init",
-    "is_main",
-    "local_rank",
-    "rank",
-    "shutdown",
-    "world_size",
-]
 
 _engine: Engine | None = None
 # Whether _engine was chosen by "auto" (and may be replaced when it is outgrown).
@@ -86,10 +71,7 @@ def init(engine: str = "auto", *, timeout: float | timedelta | None = None) -> E
     """
     global _engine, _detected
     wanted_timeout = None if timeout is None else _as_timedelta(timeout)
-    if engine != "auto" and engine not in ENGINE_NAMES:
-        raise ValueError(
-            f"unknown engine {engine!r}; choose 'auto' or one of {', '.join(ENGINE_NAMES)}"
-        )
+    check_engine_name(engine, f"init(engine={engine!r})")
     if _engine is not None and _detected and engine == "auto" and _engine.outgrown():
         _engine.shutdown()  # a local engine: nothing to tear down, nothing in flight
         _engine = None

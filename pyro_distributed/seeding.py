@@ -18,8 +18,6 @@ import torch
 from . import runtime
 from .checks import check_int
 
-__all__ = ["block_generator", "derived_seed", "set_rng_seed", "shared_generator", "worker_seed"]
-
 _shared = torch.Generator().manual_seed(0)
 # Draws inside this worker's own block of a plate: seeded from the rank, on
 # first use if set_rng_seed never ran, so that workers draw independently.

@@ -18,15 +18,6 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.distributed_c10d import PrefixStore as _PrefixStore
 
-__all__ = [
-    "PrefixStore",
-    "copy_all_",
-    "flatten_dense",
-    "grad_version",
-    "init_optimizer_hooks",
-    "unflatten_dense",
-]
-
 #: A store that prefixes every key. torch exports it from ``torch.distributed``
 #: but documents it nowhere; the torch engine uses it to give every attempt at
 #: joining a process group keys of its own on a shared TCP store.
@@ -56,6 +47,24 @@ def grad_version(grad: Tensor) -> int:
     """
     version: int = grad._version
     return version
+
+
+#: A parameter's gradient as it was: the tensor (or ``None``) and its version.
+GradStamp = tuple[Tensor | None, int]
+
+
+def grad_stamp(param: Tensor) -> GradStamp:
+    """``param``'s gradient object and its version: any later change to
+    ``.grad``, replaced or modified in place, changes one of the two."""
+    grad = param.grad
+    return grad, (grad_version(grad) if grad is not None else -1)
+
+
+def grad_changed_since(param: Tensor, stamp: GradStamp) -> bool:
+    """Whether ``param``'s gradient changed since :func:`grad_stamp` took ``stamp``."""
+    grad, version = stamp
+    # Compared by identity: == on tensors would compare their values.
+    return param.grad is not grad or (grad is not None and grad_version(grad) != version)
 
 
 def flatten_dense(tensors: list[Tensor]) -> Tensor:

@@ -30,18 +30,6 @@ from ..local.blocks import new_token, remove_blocks, save_blocks, write_atomical
 from ..local.registry import LocalParam
 from ..seeding import block_generator, shared_generator
 
-__all__ = [
-    "FORMAT",
-    "VERSION",
-    "commit",
-    "gather_rng",
-    "header",
-    "local_params_of",
-    "mismatches",
-    "read",
-    "restore_rng",
-]
-
 FORMAT = "pyro_distributed.checkpoint"
 # Version 2 added local parameters' blocks; version 3, checkpoints of modules.
 VERSION = 3

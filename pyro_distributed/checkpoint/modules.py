@@ -26,8 +26,6 @@ from ..local.blocks import load_blocks
 from ..optim.torch_optimizer import DistributedTorchOptimizer
 from . import files
 
-__all__ = ["ModuleLocal", "load", "module_locals", "save", "state_indices", "without_state"]
-
 
 @dataclass(frozen=True)
 class ModuleLocal:

@@ -25,8 +25,6 @@ from ..optim.distributed import DistributedOptimizer
 from ..pyro_internals import replace_unconstrained
 from . import files
 
-__all__ = ["load", "save"]
-
 
 def save(path: str | os.PathLike[str], optim: DistributedOptimizer) -> None:
     """:func:`~pyro_distributed.save_checkpoint` of a run with a Pyro optimizer."""

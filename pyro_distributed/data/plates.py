@@ -23,8 +23,6 @@ from typing import Any
 import pyro
 from torch import Tensor
 
-__all__ = ["RowOrigin", "data_plate", "origin_of", "record_origin", "shard_lengths"]
-
 
 @dataclass(frozen=True)
 class RowOrigin:

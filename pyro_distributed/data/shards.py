@@ -33,16 +33,6 @@ from ..partition import block_range
 from ..seeding import derived_seed
 from .plates import RowOrigin, record_origin
 
-__all__ = [
-    "Data",
-    "ShardSampler",
-    "block_batches",
-    "data_columns",
-    "even_batches",
-    "shard",
-    "shard_indices",
-]
-
 Uneven = Literal["split", "drop", "pad"]
 T = TypeVar("T")
 #: A data set whose rows are split across workers: a tensor, a tuple of

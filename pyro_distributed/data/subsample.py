@@ -45,8 +45,6 @@ from ..pyro_internals import Subsample, module_param
 from ..seeding import block_generator, shared_generator
 from .plates import shard_lengths
 
-__all__ = ["shard_subsamples"]
-
 
 class shard_subsamples(Messenger):
     """Give each worker a disjoint share of every plate's subsample.
@@ -92,7 +90,7 @@ class shard_subsamples(Messenger):
 
         with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
             loss_fn(data).backward()
-        optimizer.step()  # pd.DistributedOptimizer(torch.optim.Adam(...))
+        optimizer.step()  # pd.DistributedTorchOptimizer(torch.optim.Adam(...))
 
     :raises TypeError: when ``local_updates`` is not a string.
     :raises ValueError: when ``local_updates`` is neither ``"dense"`` nor

@@ -23,6 +23,7 @@ __all__ = [
     "ENGINE_NAMES",
     "Engine",
     "Pending",
+    "check_engine_name",
     "create_engine",
     "detect_engine",
     "engine_class",
@@ -37,6 +38,17 @@ _ENGINES: dict[str, tuple[str, str]] = {
 }
 
 ENGINE_NAMES: tuple[str, ...] = tuple(_ENGINES)
+
+
+def check_engine_name(name: str, where: str, *, local: bool = True) -> None:
+    """Raise ``ValueError`` naming ``where`` unless ``name`` is ``"auto"`` or an
+    engine's name (``"local"`` only if ``local``): the one check every entry
+    point that takes ``engine=`` makes, so all of them accept and name the same."""
+    allowed = ["auto", *(n for n in ENGINE_NAMES if local or n != "local")]
+    if name not in allowed:
+        raise ValueError(
+            f"{where}: unknown engine {name!r}; choose one of {', '.join(map(repr, allowed))}"
+        )
 
 
 def engine_class(name: str) -> type[Engine]:

@@ -38,15 +38,6 @@ from torch import Tensor
 from ..errors import PyroDistributedError
 from .probes import UNREACHABLE, Peer, remote_losses
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "Engine",
-    "Pending",
-    "ReduceOp",
-    "describe_lost",
-    "process_is_alive",
-]
-
 #: How long any collective may block before the workers give up. Long enough
 #: for a slow first step, short enough that a lost worker costs a minute and
 #: not torch.distributed's default half hour.

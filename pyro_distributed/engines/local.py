@@ -20,8 +20,6 @@ from torch import Tensor
 
 from .base import Engine, ReduceOp
 
-__all__ = ["LocalEngine"]
-
 
 class LocalEngine(Engine):
     """World size 1. Reductions and broadcasts leave tensors as they are."""

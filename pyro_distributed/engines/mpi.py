@@ -62,8 +62,6 @@ from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp, describe_lost
 from .launchers import mpi_launcher_present, slurm_step
 from .mpi_buffers import MPIBuffers, library_takes_cuda
 
-__all__ = ["INSTALL_HINT", "MPIEngine", "import_mpi"]
-
 INSTALL_HINT = (
     "mpi4py is not installed. Install the MPI extra, which brings mpi4py and the "
     "MPICH wheel (no compiler, no system MPI): `pip install pyro-distributed[mpi]`. "

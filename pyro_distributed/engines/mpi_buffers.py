@@ -23,8 +23,6 @@ from torch import Tensor
 
 from ..errors import PyroDistributedError
 
-__all__ = ["MPIBuffers", "library_takes_cuda"]
-
 #: What copies a collective's result back where it belongs, if anything must.
 CopyBack = Callable[[], None] | None
 

@@ -43,8 +43,6 @@ from .launchers import (
 from .network import advertised_address, check_peer_addresses, choose_gloo_interface, is_loopback
 from .probes import open_probe_socket
 
-__all__ = ["TorchEngine"]
-
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 

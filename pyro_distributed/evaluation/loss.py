@@ -32,8 +32,6 @@ from ..checks import check_int
 from ..data.shards import Data, block_batches, data_columns
 from ..pyro_internals import Subsample
 
-__all__ = ["evaluate_loss"]
-
 
 class _PlateProbe(Messenger):
     """Records how the plates over a batch of ``batch`` rows (of ``size``) are sized."""

@@ -45,8 +45,6 @@ from ..partition import block_range
 from ..pyro_internals import Subsample
 from ..seeding import derived_seed
 
-__all__ = ["Predictive"]
-
 Split = Literal["samples", "data"]
 #: With a seed and no chunk_size, the draws are cut into this many chunks,
 #: enough to spread them evenly over this many workers.

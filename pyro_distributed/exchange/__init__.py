@@ -16,11 +16,13 @@ here imports Pyro, directly or through this package's own modules (checked
 the same way).
 """
 
+from .agreement import Catalog
 from .averager import Compressor, Reduction
 from .compression import Compression, compressor
 from .sync import Exchanged, GradientSync
 
 __all__ = [
+    "Catalog",
     "Compression",
     "Compressor",
     "Exchanged",

@@ -57,18 +57,6 @@ from ..engines import Engine
 from ..errors import PyroDistributedError
 from .layout import broadcast_values_
 
-__all__ = [
-    "DIGEST_FLOATS",
-    "MAX_SUMMED_WORKERS",
-    "Catalog",
-    "ParameterAgreement",
-    "Proposal",
-    "Settlement",
-    "StepParams",
-    "digest_floats",
-    "digests_equal",
-]
-
 #: How many floats :func:`digest_floats` makes of a digest.
 DIGEST_FLOATS = 16
 #: The most workers whose summed digest floats stay exact in float32 (2**24).

@@ -32,8 +32,6 @@ from ..engines import Engine
 from .layout import Bucket, plan_buckets
 from .resident import ResidentBuffer
 
-__all__ = ["Compressor", "GradientAverager", "Reduction"]
-
 
 class Compressor(Protocol):
     """Turns a buffer into what goes on the wire and back.

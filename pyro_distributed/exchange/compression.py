@@ -22,8 +22,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["BF16", "FP16", "CastCompressor", "compressor"]
-
 
 class CastCompressor:
     """Sends floating-point buffers as ``dtype``; leaves other dtypes alone."""

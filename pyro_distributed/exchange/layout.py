@@ -33,8 +33,6 @@ from ..engines import Engine
 from ..errors import PyroDistributedError
 from ..torch_internals import flatten_dense
 
-__all__ = ["Bucket", "broadcast_values_", "plan_buckets"]
-
 
 @dataclass(frozen=True)
 class Bucket:

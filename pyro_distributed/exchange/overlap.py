@@ -53,11 +53,9 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from ..engines import Engine, Pending
-from ..torch_internals import grad_version
+from ..torch_internals import GradStamp, grad_changed_since, grad_stamp
 from .agreement import MAX_SUMMED_WORKERS
 from .averager import GradientAverager
-
-__all__ = ["BackwardOverlap"]
 
 Phase = Literal["idle", "observing", "armed"]
 
@@ -69,7 +67,7 @@ class _Sent:
     wire: Tensor
     context: Any
     pending: Pending | None  # None once waited for
-    grads: list[tuple[Tensor | None, int]]
+    grads: list[GradStamp]
     #: The summed bucket's tail (flags, riders), once read (the carrier's).
     tail: list[float] | None = None
 
@@ -77,18 +75,6 @@ class _Sent:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-
-
-def _grad_stamp(param: Tensor) -> tuple[Tensor | None, int]:
-    """The gradient object and its version: any change to ``.grad`` changes one of them."""
-    grad = param.grad
-    return grad, (grad_version(grad) if grad is not None else -1)
-
-
-def _changed_since(param: Tensor, stamp: tuple[Tensor | None, int]) -> bool:
-    grad, version = stamp
-    # Compared by identity: == on tensors would compare their values.
-    return param.grad is not grad or (grad is not None and grad_version(grad) != version)
 
 
 def _remove(handles: list[RemovableHandle]) -> None:
@@ -189,7 +175,7 @@ class BackwardOverlap:
         members = self._averager.buckets[index].members
         sent = self._sent[index]
         return any(
-            _changed_since(self._params[member], stamp)
+            grad_changed_since(self._params[member], stamp)
             for member, stamp in zip(members, sent.grads, strict=True)
         )
 
@@ -299,7 +285,7 @@ class BackwardOverlap:
         # The carrier is packed at the call, after every backward pass: it
         # cannot go stale, and needs no stamps.
         members = () if index == self._carrier else self._averager.buckets[index].members
-        grads = [_grad_stamp(self._params[i]) for i in members]
+        grads = [grad_stamp(self._params[i]) for i in members]
         wire, context = self._averager.encode(flat)
         name = self._averager.bucket_names[index]
         pending = self._channel.allreduce_async_(wire, "sum", name)

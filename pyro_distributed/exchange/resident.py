@@ -38,8 +38,6 @@ from torch import Tensor
 from ..torch_internals import copy_all_, unflatten_dense
 from .layout import Bucket
 
-__all__ = ["ResidentBuffer"]
-
 
 class ResidentBuffer:
     """One bucket's flat buffer, kept from step to step, and its members' views.

@@ -57,8 +57,6 @@ from .agreement import (
 from .averager import GradientAverager, Reduction
 from .overlap import BackwardOverlap
 
-__all__ = ["Exchanged", "GradientSync"]
-
 
 @dataclass(frozen=True)
 class Exchanged:

@@ -50,8 +50,6 @@ from ..engines import Engine
 from ..errors import PyroDistributedError
 from .registry import LocalParam
 
-__all__ = ["block_path", "load_blocks", "new_token", "remove_blocks", "save_blocks"]
-
 
 def new_token(engine: Engine) -> str:
     """A fresh name for one save's block files, chosen by worker 0 (a collective)."""

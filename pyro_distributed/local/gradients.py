@@ -9,7 +9,7 @@ bitwise as the replicated path computes them, at any W.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -24,8 +24,7 @@ from .registry import (
     pop_touched,
     registered,
 )
-
-__all__ = ["LocalGradients", "Scale", "scale_local_grads", "split_local"]
+from .sparse import RowGradients
 
 #: Turns a gradient, in place, into what averaging it with W-1 zeros gives.
 Scale = Callable[[Tensor], Tensor]
@@ -72,6 +71,25 @@ def scale_local_grads(params: Mapping[str, Tensor], scale: Scale) -> bool:
         grad.index_copy_(axis, rows, scaled)
         finite = finite and bool(torch.isfinite(scaled).all())
     return finite
+
+
+def scale_row_grads(sparse: Sequence[RowGradients], scale: Scale) -> bool:
+    """Scale sparse steps' row gradients as an average; return whether all are finite (O(rows)).
+
+    ``scale`` is the one the step gives dense local gradients (what averaging
+    with W-1 zeros does, the exchange's own scaling), so the rows get the
+    same bits as a dense local gradient's.
+    """
+    finite = True
+    for gradients in sparse:
+        scale(gradients.grad)
+        finite = finite and bool(torch.isfinite(gradients.grad).all())
+    return finite
+
+
+def nonfinite_rows(sparse: Sequence[RowGradients]) -> list[str]:
+    """The names of the parameters whose row gradient holds NaN or Inf."""
+    return [g.name for g in sparse if not bool(torch.isfinite(g.grad).all())]
 
 
 class LocalGradients:

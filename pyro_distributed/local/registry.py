@@ -19,22 +19,6 @@ from torch import Tensor
 from ..partition import block_range
 from ..pyro_internals import stored_unconstrained
 
-__all__ = [
-    "LocalParam",
-    "any_registered",
-    "forget",
-    "generation",
-    "local_of",
-    "local_param",
-    "local_params",
-    "module_constraint",
-    "pop_touched",
-    "register",
-    "registered",
-    "touch",
-    "unconstrained",
-]
-
 
 @dataclass(frozen=True)
 class LocalParam:

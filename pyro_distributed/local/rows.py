@@ -12,8 +12,6 @@ from ..gather import Destination, gather_pieces
 from .registry import LocalParam, local_of, local_param, module_constraint, unconstrained
 from .store import length_along
 
-__all__ = ["gather_param", "local_rows"]
-
 
 def _named(name: str, module: torch.nn.Module | None) -> tuple[LocalParam | None, Tensor]:
     """The record (``None`` if not local) and the value of parameter ``name``.

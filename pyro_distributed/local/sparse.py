@@ -52,7 +52,7 @@ The torch-native path (an ELBO module, ``module_local_params``)::
     loss_fn = Trace_ELBO()(model, guide)
     with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
         loss_fn(data)  # the warm-up call: creates the parameters, cuts the blocks
-    optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.01))
+    optimizer = pd.DistributedTorchOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.01))
     for step in range(num_steps):
         optimizer.zero_grad()
         with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
@@ -101,20 +101,6 @@ from ..pyro_internals import attach_unconstrained
 from . import registry
 from .registry import LocalParam
 from .store import unconstrained_and_constraint
-
-__all__ = [
-    "LOCAL_UPDATES",
-    "LocalUpdates",
-    "RowGradients",
-    "any_pending",
-    "check_local_updates",
-    "clear_gradients",
-    "draw_rows",
-    "forget",
-    "pending_reads",
-    "select_rows",
-    "take_gradients",
-]
 
 LocalUpdates = Literal["dense", "sparse"]
 #: The values ``shard_subsamples(local_updates=...)`` accepts.

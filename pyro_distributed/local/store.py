@@ -25,8 +25,6 @@ from ..pyro_internals import (
 )
 from .registry import LocalParam, touch
 
-__all__ = ["create", "length_along", "localize", "select_rows", "unconstrained_and_constraint"]
-
 
 def create(
     param: LocalParam, init: Any, constraint: Any, module_tensor: Tensor | None = None

@@ -5,6 +5,7 @@ coordinator: it splits off local parameters, hands the rest to the gradient
 exchange (:mod:`pyro_distributed.exchange`), and lets the wrapped optimizer
 step. Around it: the Horovod contract (:mod:`.horovod`), multi-tensor stepping
 (:mod:`.multi_tensor`), schedulers (:mod:`.schedulers`), drift checks
-(:mod:`.consistency`), and the gradient noise scale with the scaling advice
-built on it (:mod:`.noise_scale`, :mod:`.scaling`).
+(:mod:`.consistency`), and the gradient noise scale (:mod:`.noise_scale`),
+which the scaling planner (:mod:`pyro_distributed.scaling`, not an optimizer)
+builds its advice on.
 """

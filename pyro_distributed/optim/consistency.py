@@ -24,8 +24,6 @@ from ..engines import Engine
 from ..local.registry import local_params
 from .module_buffers import named_buffers, trained_modules
 
-__all__ = ["Synchronised", "assert_in_sync"]
-
 
 class Synchronised(Protocol):
     """What :func:`assert_in_sync` reads of an optimizer: its engine, the

@@ -13,6 +13,7 @@ With one worker it does none of it but the step, and costs nothing.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -29,9 +30,6 @@ from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .schedulers import step_schedulers
 from .sparse_step import SparseStepper
 from .step import DataParallelStep, FrontEnd, StepOptions
-from .torch_optimizer import DistributedTorchOptimizer
-
-__all__ = ["DistributedOptimizer"]
 
 
 class DistributedOptimizer(FrontEnd, PyroOptim):
@@ -45,14 +43,12 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
     :param pyro_optim: the optimizer to distribute, for example
         ``pyro.optim.Adam({"lr": 0.01})``, a ``PyroLRScheduler``, or
         ``ClippedAdam``. It is used, not copied: keep using it if you like.
-        A ``torch.optim.Optimizer`` instead (Pyro's torch-native loop) gives a
-        :class:`~pyro_distributed.optim.torch_optimizer.DistributedTorchOptimizer`,
-        which is a torch optimizer itself and takes the same arguments but
-        ``multi_tensor``. ``isinstance(that, DistributedOptimizer)`` holds (it
-        is registered as a virtual subclass: one constructor, one type to
-        test), but it is no ``PyroOptim``; test
-        ``isinstance(optim, pd.DistributedTorchOptimizer)`` to tell the two
-        front ends apart.
+        For a ``torch.optim.Optimizer`` (Pyro's torch-native loop) use
+        :class:`~pyro_distributed.DistributedTorchOptimizer`, a torch
+        optimizer itself with the same arguments but ``multi_tensor``.
+        Passed one here, this class still returns that one with a
+        :class:`DeprecationWarning` (the spelling of 0.x); the result is not
+        an instance of this class, whose ``step`` means something else.
     :param engine: ``"auto"`` (default), ``"torch"``, ``"horovod"``, ``"mpi"``,
         ``"local"``, or a running :class:`~pyro_distributed.engines.Engine`.
         A name other than ``"local"`` is bound at the first step, not here,
@@ -142,10 +138,17 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
     _stepper: GroupedStepper | None
 
     def __new__(cls, pyro_optim: Any = None, *args: Any, **kwargs: Any) -> Any:
-        # A torch optimizer gets the torch front end, which is a
-        # torch.optim.Optimizer itself (Pyro's torch-native loop); the
-        # arguments are the same, so one name serves both paths.
+        # The old spelling for the torch front end: one name for two classes
+        # made isinstance() lie, so it now warns and names the right class.
         if cls is DistributedOptimizer and isinstance(pyro_optim, torch.optim.Optimizer):
+            warnings.warn(
+                "DistributedOptimizer(torch_optimizer) is deprecated: use "
+                "pd.DistributedTorchOptimizer(torch_optimizer), which it returns",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            from .torch_optimizer import DistributedTorchOptimizer  # only for the old spelling
+
             return DistributedTorchOptimizer(pyro_optim, *args, **kwargs)
         return super().__new__(cls)
 
@@ -286,14 +289,6 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.wrapped!r}, engine={self._step.describe_engine()})"
-
-
-# DistributedOptimizer(torch_optimizer) returns a DistributedTorchOptimizer, so
-# isinstance(optim, DistributedOptimizer) holds for whatever that one
-# constructor returns. It is a virtual subclass, not a real one: it is a
-# torch.optim.Optimizer, not a PyroOptim, and inherits nothing from this
-# class; isinstance(optim, DistributedTorchOptimizer) tells the two apart.
-DistributedOptimizer.register(DistributedTorchOptimizer)
 
 
 class _StoreNames:

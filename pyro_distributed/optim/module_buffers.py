@@ -54,8 +54,6 @@ from torch import Tensor
 from ..consensus import ABSENT, require_agreement
 from ..engines import Engine
 
-__all__ = ["ModuleBuffers", "named_buffers", "trained_modules"]
-
 
 def trained_modules(params: Collection[Tensor]) -> list[torch.nn.Module]:
     """The topmost live modules every one of whose parameters is in ``params``

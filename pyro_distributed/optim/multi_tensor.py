@@ -44,8 +44,6 @@ from torch import Tensor
 
 from ..pyro_internals import pop_waiting_state, single_optimizer
 
-__all__ = ["GroupedStepper", "grouping_refusal", "groups_exactly"]
-
 #: Grouped, these give bitwise the results of one optimizer per parameter.
 _EXACT: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam,

@@ -45,8 +45,6 @@ from dataclasses import dataclass
 
 from ..checks import check_int
 
-__all__ = ["DEFAULT_SMOOTHING", "NoiseScale", "NoiseScaleEstimator"]
-
 #: The weight of each new step in the moving averages when ``noise_scale=True``:
 #: they remember about the last 2 / 0.02 = 100 steps.
 DEFAULT_SMOOTHING = 0.02

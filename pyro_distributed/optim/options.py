@@ -24,12 +24,10 @@ from typing import Any
 
 from .. import runtime
 from ..checks import check_bool, check_choice, check_int, check_number
-from ..engines import ENGINE_NAMES, Engine
+from ..engines import Engine, check_engine_name
 from ..errors import PyroDistributedError
 from ..exchange import GradientSync, Reduction
 from .noise_scale import NoiseScaleEstimator
-
-__all__ = ["EngineBinding", "check_options", "make_sync"]
 
 
 def check_options(bucket_cap_mb: Any, nonfinite: Any, check_every: Any, overlap: Any) -> None:
@@ -52,10 +50,7 @@ class EngineBinding:
 
     def __init__(self, engine: str | Engine) -> None:
         if isinstance(engine, str):
-            if engine != "auto" and engine not in ENGINE_NAMES:
-                raise ValueError(
-                    f"unknown engine {engine!r}; choose 'auto' or one of {', '.join(ENGINE_NAMES)}"
-                )
+            check_engine_name(engine, "the optimizer's engine=")
         elif not isinstance(engine, Engine):
             raise TypeError(f"engine must be a name or an Engine, got {type(engine).__name__}")
         self._wanted = engine

@@ -18,8 +18,6 @@ from torch import Tensor
 from .. import runtime
 from ..engines import Engine
 
-__all__ = ["step_schedulers"]
-
 
 def step_schedulers(
     wrapped: Any, engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -106,19 +106,8 @@ from pyro.optim.clipped_adam import ClippedAdam
 from torch import Tensor
 
 from ..local import sparse as sparse_local
-from ..local.gradients import Scale
 from ..local.sparse import RowGradients
 from ..pyro_internals import grad_clip_of, load_optimizer_state, pop_waiting_state, single_optimizer
-
-__all__ = [
-    "SUPPORTED",
-    "SparseStepper",
-    "TorchSparseStepper",
-    "nonfinite",
-    "refusal",
-    "rows_in_place",
-    "scale_rows",
-]
 
 #: The optimizers with a lazy rule (see the module docstring).
 SUPPORTED: tuple[type[torch.optim.Optimizer], ...] = (
@@ -154,25 +143,6 @@ def refusal(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | No
             f"leave them out or use local_updates='dense'"
         )
     return None
-
-
-def scale_rows(sparse: Sequence[RowGradients], scale: Scale) -> bool:
-    """Scale the row gradients as an average; return whether all are finite (O(rows)).
-
-    ``scale`` is the one the step gives dense local gradients (what averaging
-    with W-1 zeros does, the exchange's own scaling), so the rows get the
-    same bits as a dense local gradient's.
-    """
-    finite = True
-    for gradients in sparse:
-        scale(gradients.grad)
-        finite = finite and bool(torch.isfinite(gradients.grad).all())
-    return finite
-
-
-def nonfinite(sparse: Sequence[RowGradients]) -> list[str]:
-    """The names of the parameters whose row gradient holds NaN or Inf."""
-    return [g.name for g in sparse if not bool(torch.isfinite(g.grad).all())]
 
 
 Clip = Callable[[Tensor], Any]

@@ -37,20 +37,15 @@ from typing import Any, Literal
 from torch import Tensor
 
 from ..engines import Engine
-from ..exchange import Compression, Exchanged, GradientSync, Reduction, compressor
-from ..local.gradients import LocalGradients, split_local
+from ..exchange import Catalog, Compression, Exchanged, GradientSync, Reduction, compressor
+from ..local.gradients import LocalGradients, nonfinite_rows, scale_row_grads, split_local
 from ..local.registry import generation
 from ..local.sparse import RowGradients
 from .consistency import assert_in_sync
 from .module_buffers import ModuleBuffers, named_buffers
 from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .options import EngineBinding, check_options, make_sync
-from .sparse_step import nonfinite, scale_rows
 from .step_guards import refuse_nonfinite
-
-__all__ = ["DataParallelStep", "FrontEnd", "StepOptions", "Stepped"]
-
-Catalog = Callable[[], Mapping[str, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -204,7 +199,7 @@ class DataParallelStep:
             # Local gradients never travel: scaled as the exchange scales an
             # average, and checked here; the check rides in the exchange's header.
             scale = sync.average_alone_
-            local_finite = local_gradients.prepare(local, scale, scale_rows(sparse, scale))
+            local_finite = local_gradients.prepare(local, scale, scale_row_grads(sparse, scale))
         exchanged = sync.exchange(replicated, catalog, nonfinite_here=not local_finite)
         return Stepped(exchanged, local, sparse)
 
@@ -253,7 +248,7 @@ class DataParallelStep:
             if stepped.finite:
                 step_optimizer(stepped.tensors)
             else:
-                extra = nonfinite(stepped.sparse)
+                extra = nonfinite_rows(stepped.sparse)
                 refuse_nonfinite(named(), self.num_steps, options.nonfinite, 5, extra)
         finally:
             finish_buffers()

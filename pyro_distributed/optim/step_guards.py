@@ -21,9 +21,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import PyroDistributedError
-from ..torch_internals import grad_version
-
-__all__ = ["GradStamps", "check_state_fits", "refuse_nonfinite"]
+from ..torch_internals import GradStamp, grad_changed_since, grad_stamp
 
 
 def refuse_nonfinite(
@@ -84,7 +82,7 @@ class GradStamps:
     SAMPLE = 8
 
     def __init__(self) -> None:
-        self._stamps: dict[int, tuple[Tensor, int]] = {}
+        self._stamps: dict[int, GradStamp] = {}
         self._hooks: dict[int, RemovableHandle] = {}
         self._given: Sequence[Tensor] = ()
         self._watched: list[Tensor] = []
@@ -115,16 +113,15 @@ class GradStamps:
 
     def _stamp(self, param: Tensor) -> None:
         if param.grad is not None:
-            self._stamps[id(param)] = (param.grad, grad_version(param.grad))
+            self._stamps[id(param)] = grad_stamp(param)
 
     def changed(self) -> Tensor | None:
         """The first watched parameter whose gradient changed since its last
         backward pass, if any."""
         for param in self._watched:
             stamp = self._stamps.pop(id(param), None)
-            grad = param.grad
-            if stamp is None or grad is None:
+            if stamp is None or param.grad is None:
                 continue
-            if grad is not stamp[0] or grad_version(grad) != stamp[1]:
+            if grad_changed_since(param, stamp):
                 return param
         return None

@@ -50,8 +50,6 @@ from .sparse_step import TorchSparseStepper
 from .step import DataParallelStep, FrontEnd, StepOptions, Stepped
 from .step_guards import GradStamps, check_state_fits
 
-__all__ = ["DistributedTorchOptimizer"]
-
 Closure = Callable[[], Any]
 
 
@@ -67,7 +65,7 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         pyro.settings.set(module_local_params=True)
         loss_fn = Trace_ELBO()(model, guide)
         loss_fn(*first_batch)  # AutoGuides create their parameters lazily
-        optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.01))
+        optimizer = pd.DistributedTorchOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.01))
         for batch in loader:
             optimizer.zero_grad()
             loss_fn(*batch).backward()
@@ -104,7 +102,7 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
 
         with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
             loss_fn(*first_batch)  # creates the parameters and cuts the blocks
-        optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.01))
+        optimizer = pd.DistributedTorchOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.01))
         for batch in loader:
             optimizer.zero_grad()
             with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):

@@ -25,7 +25,7 @@ def _local_run() -> tuple[torch.nn.Module, torch.Tensor, Any, Any]:
     loss_fn = Trace_ELBO()(model, guide)
     with pd.shard_subsamples(own_local_params=True):
         loss_fn(x)
-    optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.05))
+    optimizer = pd.DistributedTorchOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.05))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
     return loss_fn, x, optimizer, scheduler
 
@@ -96,7 +96,7 @@ def test_module_checkpoints_refuse_the_wrong_kind_of_call(tmp_path: Any) -> None
     pd.init("local")
     try:
         net = small_net(0)
-        optimizer = pd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+        optimizer = pd.DistributedTorchOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
         with pytest.raises(TypeError, match="needs module="):
             pd.save_checkpoint(str(tmp_path / "a.pt"), optimizer)
         pd.save_checkpoint(str(tmp_path / "a.pt"), optimizer, module=net)

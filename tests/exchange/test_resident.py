@@ -87,7 +87,7 @@ def zeroed_in_place(set_to_none: bool) -> list[torch.Tensor]:
     second pass after a step of one adds into members of buckets already sent."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    optimizer = pd.DistributedOptimizer(
+    optimizer = pd.DistributedTorchOptimizer(
         torch.optim.SGD(net.parameters(), lr=0.1), bucket_cap_mb=1e-4
     )
     generator = torch.Generator().manual_seed(pd.rank())

@@ -269,7 +269,8 @@ def test_devices_that_do_not_count_mpiexecs_workers_are_refused(tmp_path: Path) 
 def test_an_engine_the_strategy_cannot_use_is_refused(engine: str) -> None:
     from pyro_distributed.lightning import PyroDistributedStrategy
 
-    with pytest.raises(ValueError, match="choose 'auto', 'torch', 'horovod' or 'mpi'"):
+    refused = f"PyroDistributedStrategy: unknown engine '{engine}'; choose one of 'auto', "
+    with pytest.raises(ValueError, match=refused + "'horovod', 'torch', 'mpi'$"):
         PyroDistributedStrategy(engine=engine)
 
 

@@ -1,7 +1,7 @@
 """Sparse local steps on the torch-native path: an ELBO module and a torch optimizer.
 
 ``pyro.settings.set(module_local_params=True)``, ``Trace_ELBO()(model, guide)``
-and ``pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters()))``, inside
+and ``pd.DistributedTorchOptimizer(torch.optim.Adam(loss_fn.parameters()))``, inside
 ``shard_subsamples(own_local_params=True, local_updates="sparse")``. Every
 scenario runs on real gloo workers. Each step is checked against the
 reference implementation of the lazy rules in ``test_sparse`` (the same
@@ -145,7 +145,7 @@ def checked_against_reference(kinds: list[str], guide_name: str) -> dict[str, An
     with module_local_params():
         for kind in kinds:
             loss_fn = elbo_module(guide_name)  # two particles: rows may repeat
-            optimizer = pd.DistributedOptimizer(TORCH_OPTIMIZERS[kind](loss_fn.parameters()))
+            optimizer = pd.DistributedTorchOptimizer(TORCH_OPTIMIZERS[kind](loss_fn.parameters()))
             local = local_tensors(loss_fn)
             facts: dict[str, Any] = {"names": sorted(local)}
             for t in range(1, STEPS + 1):
@@ -195,7 +195,7 @@ def test_each_torch_native_step_is_the_stated_lazy_rule_within_one_ulp(
 def trained(guide_name: str, make: Make, steps: int, mode: str = "sparse") -> dict[str, Any]:
     with module_local_params():
         loss_fn = elbo_module(guide_name)
-        optimizer = pd.DistributedOptimizer(make(loss_fn.parameters()))
+        optimizer = pd.DistributedTorchOptimizer(make(loss_fn.parameters()))
         for _ in range(steps):
             optimizer.zero_grad()
             with pd.shard_subsamples(own_local_params=True, local_updates=mode):
@@ -230,7 +230,7 @@ def zero_grad_between(how: str) -> dict[str, torch.Tensor]:
     """
     with module_local_params():
         loss_fn = elbo_module("auto")
-        optimizer = pd.DistributedOptimizer(torch.optim.SGD(loss_fn.parameters(), lr=0.01))
+        optimizer = pd.DistributedTorchOptimizer(torch.optim.SGD(loss_fn.parameters(), lr=0.01))
         local = local_tensors(loss_fn)
         for _ in range(2):
             optimizer.zero_grad()
@@ -271,7 +271,7 @@ def refused() -> dict[str, Any]:
     with module_local_params():
         for name, make in REFUSED.items():
             loss_fn = elbo_module("auto")
-            optimizer = pd.DistributedOptimizer(make(loss_fn.parameters()), overlap=False)
+            optimizer = pd.DistributedTorchOptimizer(make(loss_fn.parameters()), overlap=False)
             before = {n: p.detach().clone() for n, p in loss_fn.named_parameters()}
             with sparse():
                 loss_fn(x_data()).backward()
@@ -296,7 +296,7 @@ def test_torch_optimizers_without_a_lazy_rule_are_refused_by_name() -> None:
 def nan_in_worker_1s_rows() -> dict[str, Any]:
     with module_local_params():
         loss_fn = elbo_module("auto")
-        optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.05))
+        optimizer = pd.DistributedTorchOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.05))
         before = {n: p.detach().clone() for n, p in loss_fn.named_parameters()}
         with sparse():
             loss_fn(x_data()).backward()
@@ -328,7 +328,7 @@ MODULE_NAMES = ("guide.locs.z_unconstrained", "guide.scales.z_unconstrained")
 def _run(steps: int, path: str | None = None, load: bool = False) -> dict[str, Any]:
     with module_local_params():
         loss_fn = elbo_module("auto")
-        optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.05))
+        optimizer = pd.DistributedTorchOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.05))
         start = pd.load_checkpoint(path, optimizer, module=loss_fn) if load else 0
         loaded = {name: pd.gather_param(name, to="all", module=loss_fn) for name in MODULE_NAMES}
         saved = None

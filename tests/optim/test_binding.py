@@ -62,7 +62,7 @@ def _step(optimizer: object, param: torch.Tensor, target: torch.Tensor) -> None:
 def _make(front_end: str) -> tuple[object, torch.Tensor]:
     if front_end == "torch":
         param = torch.nn.Parameter(torch.zeros(3))
-        return pd.DistributedOptimizer(torch.optim.SGD([param], lr=_LR)), param
+        return pd.DistributedTorchOptimizer(torch.optim.SGD([param], lr=_LR)), param
     param = pyro.param("p", torch.zeros(3))
     return pd.DistributedOptimizer(pyro.optim.SGD({"lr": _LR})), param.unconstrained()
 

@@ -61,7 +61,7 @@ def trained(path: str) -> dict[str, Any]:
     bn.register_forward_hook(lambda *_: seen.append(bn.running_mean.clone()))
     if path == "torch":
         loss_fn = Trace_ELBO()(model, lambda x, y: None)
-        optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.01))
+        optimizer = pd.DistributedTorchOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.01))
         steps = []
         for _ in range(STEPS):
             optimizer.zero_grad()
@@ -122,7 +122,7 @@ def drifted() -> str:
     pyro.settings.set(module_local_params=True)
     model = Regression()
     loss_fn = Trace_ELBO()(model, lambda x, y: None)
-    optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.01))
+    optimizer = pd.DistributedTorchOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.01))
     loss_fn(x, y).backward()
     optimizer.step()
     pyro.settings.set(module_local_params=False)

@@ -63,7 +63,7 @@ def trained(own: bool, front_end: str, compression: str) -> dict[str, Any]:
             loss_fn = Trace_ELBO()(model, guide)
             with pd.shard_subsamples(**sharded):
                 loss_fn(y)  # creates the parameters; under ownership, cuts them
-            optimizer = pd.DistributedOptimizer(
+            optimizer = pd.DistributedTorchOptimizer(
                 torch.optim.Adam(loss_fn.parameters(), lr=0.02), **options
             )
             for _ in range(STEPS):

@@ -38,7 +38,7 @@ def _loss(net: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tor
 def train_net(steps: int, overlap: bool, scheduler: bool) -> dict[str, torch.Tensor]:
     """Every worker trains on its own batches."""
     net = small_net(seed=0)
-    optimizer = pd.DistributedOptimizer(
+    optimizer = pd.DistributedTorchOptimizer(
         torch.optim.Adam(net.parameters(), lr=0.05), overlap=overlap
     )
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
@@ -91,7 +91,7 @@ def test_averaged_steps_are_bitwise_one_process_averaging_the_same_gradients(
 
 def first_step(lr: float) -> list[torch.Tensor]:
     net = small_net(seed=pd.rank())  # every worker starts elsewhere
-    optimizer = pd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=lr))
+    optimizer = pd.DistributedTorchOptimizer(torch.optim.SGD(net.parameters(), lr=lr))
     _loss(net, _batch(pd.rank(), 0)).backward()
     optimizer.step()
     return [p.detach().clone() for p in net.parameters()]
@@ -109,7 +109,7 @@ def test_one_worker_steps_exactly_as_the_plain_optimizer() -> None:
     pd.init("local")
     try:
         ours, plain = small_net(0), small_net(0)
-        wrapped = pd.DistributedOptimizer(torch.optim.Adam(ours.parameters(), lr=0.1))
+        wrapped = pd.DistributedTorchOptimizer(torch.optim.Adam(ours.parameters(), lr=0.1))
         reference = torch.optim.Adam(plain.parameters(), lr=0.1)
         assert isinstance(wrapped, torch.optim.Optimizer)
         assert isinstance(wrapped, DistributedTorchOptimizer)
@@ -128,13 +128,15 @@ def test_one_worker_steps_exactly_as_the_plain_optimizer() -> None:
 
 def state_round_trip() -> dict[str, object]:
     net = small_net(seed=pd.rank())
-    optimizer = pd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    optimizer = pd.DistributedTorchOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    )
     for step in range(2):
         optimizer.zero_grad()
         _loss(net, _batch(pd.rank(), step)).backward()
         optimizer.step()
     saved = optimizer.state_dict()
-    fresh = pd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    fresh = pd.DistributedTorchOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
     fresh.load_state_dict(saved)
     extra = torch.nn.Parameter(torch.full((2,), float(pd.rank())))
     fresh.add_param_group({"params": [extra], "lr": 0.5})
@@ -162,7 +164,7 @@ def test_state_dict_load_state_dict_and_add_param_group_act_on_the_wrapped_optim
 def disagreeing() -> str:
     shape = 3 if pd.rank() == 0 else 4
     weight = torch.nn.Parameter(torch.zeros(shape))
-    optimizer = pd.DistributedOptimizer(torch.optim.SGD([weight], lr=0.1))
+    optimizer = pd.DistributedTorchOptimizer(torch.optim.SGD([weight], lr=0.1))
     weight.sum().backward()
     with pytest.raises(pd.PyroDistributedError) as info:
         optimizer.step()
@@ -178,7 +180,7 @@ def test_workers_with_different_optimizers_get_an_error_naming_the_parameter() -
 
 def clipped(synchronize: bool) -> dict[str, object]:
     net = small_net(seed=0)
-    optimizer = pd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+    optimizer = pd.DistributedTorchOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
     norms = []
     with pytest.warns() if not synchronize else _no_warning() as record:
         for step in range(3):
@@ -223,7 +225,7 @@ def test_clipping_without_synchronize_warns_that_it_saw_one_workers_gradient() -
 
 def nan_on_worker_one() -> dict[str, object]:
     weight = torch.nn.Parameter(torch.ones(2))
-    optimizer = pd.DistributedOptimizer(torch.optim.SGD([weight], lr=0.1))
+    optimizer = pd.DistributedTorchOptimizer(torch.optim.SGD([weight], lr=0.1))
     scale = float("nan") if pd.rank() == 1 else 1.0
     (weight.sum() * scale).backward()
     with pytest.warns(RuntimeWarning, match="every worker skips this step") as record:
@@ -240,7 +242,7 @@ def test_a_nan_on_one_worker_makes_every_worker_skip_the_step() -> None:
 
 def accumulated(passes: int) -> torch.Tensor:
     weight = torch.nn.Parameter(torch.zeros(3))
-    optimizer = pd.DistributedOptimizer(torch.optim.SGD([weight], lr=1.0))
+    optimizer = pd.DistributedTorchOptimizer(torch.optim.SGD([weight], lr=1.0))
     for _ in range(3):
         optimizer.zero_grad()
         for k in range(passes):
@@ -288,7 +290,7 @@ def elbo_module(steps: int) -> dict[str, Any]:
         guide = AutoNormal(model)
         loss_fn = Trace_ELBO(num_particles=8, vectorize_particles=True)(model, guide)
         loss_fn(x_mine, y_mine)  # creates the guide's parameters
-        optimizer = pd.DistributedOptimizer(
+        optimizer = pd.DistributedTorchOptimizer(
             torch.optim.Adam(loss_fn.parameters(), lr=0.05), noise_scale=pd.world_size() > 1
         )
         for _ in range(steps):
@@ -470,7 +472,7 @@ def train_groups(own: bool, bucket_cap_mb: float | None, steps: int) -> dict[str
         with pd.shard_subsamples(own_local_params=own, by_block=True):
             loss_fn(y)
         options = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-        optimizer = pd.DistributedOptimizer(
+        optimizer = pd.DistributedTorchOptimizer(
             torch.optim.Adam(loss_fn.parameters(), lr=0.02), **options
         )
         for _ in range(steps):
@@ -577,7 +579,7 @@ def built_before_the_cut(how: str) -> dict[str, Any]:
         loss_fn = Trace_ELBO()(model, guide)
         with pd.shard_subsamples(by_block=True):
             loss_fn(x)  # creates the parameters, all N rows
-        optimizer = pd.DistributedOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.05))
+        optimizer = pd.DistributedTorchOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.05))
         if how == "stepped":
             with pd.shard_subsamples(by_block=True):
                 loss_fn(x).backward()
@@ -625,10 +627,10 @@ def test_backpropagating_the_call_that_cut_the_rows_is_refused_with_the_remedy()
 
 def test_the_torch_front_end_is_a_public_type_that_names_itself() -> None:
     plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    wrapped = pd.DistributedOptimizer(plain, engine="local")
+    wrapped = pd.DistributedTorchOptimizer(plain, engine="local")
     assert type(wrapped) is pd.DistributedTorchOptimizer
-    # One constructor, one type to test; still a torch optimizer, not a PyroOptim.
-    assert isinstance(wrapped, pd.DistributedOptimizer)
+    # A torch optimizer, neither a PyroOptim nor the Pyro front end, whose step means SVI's.
+    assert not isinstance(wrapped, pd.DistributedOptimizer)
     assert isinstance(wrapped, torch.optim.Optimizer)
     assert not isinstance(wrapped, pyro.optim.PyroOptim)
     assert repr(wrapped).startswith("DistributedTorchOptimizer(SGD (")
