@@ -6,8 +6,15 @@
 # the sdist and wheel and import the wheel from a fresh venv, and run every
 # test, the MPI ones under the real mpiexec and Lightning's under its launcher
 # (tests/test_docs.py checks the built site and runs the docs' code blocks);
-# then, in the integrations venv (scripts/setup_integrations.sh), scvi-tools and
+# and, in the integrations venv (scripts/setup_integrations.sh), scvi-tools and
 # cell2location trained through the strategy, on the lowest supported Lightning.
+#
+# Two lanes share the machine's two cores, because most of a test's time is
+# spent waiting (on a launcher's start-up, a rendezvous, a time-out it checks):
+# the integrations venv is made and its tests run in the background while the
+# main lane builds Horovod, checks and runs the main tests on two pytest
+# workers (-n 2; the Slurm tests stay on one, tests/conftest.py). The
+# integrations lane's output is printed when both lanes are done.
 #
 #   bash scripts/test.sh [extra pytest arguments]
 #
@@ -28,7 +35,21 @@ fi
 PYRO_DISTRIBUTED_EXTRAS=${PYRO_DISTRIBUTED_EXTRAS:-dev,examples,mpi,lightning,docs,release}
 . scripts/setup_env.sh
 
-[[ -n "$QUICK" ]] || bash scripts/install_horovod.sh
+INTEGRATIONS_LOG=
+if [[ -z "$QUICK" ]]; then
+    # scripts/test_integrations.sh: scvi-tools and cell2location (and jax,
+    # ~2 GB) in a venv of their own, on the lowest Lightning the strategy
+    # supports. In a process group of its own (set -m), so that stopping it
+    # stops every process it started.
+    INTEGRATIONS_LOG=$(mktemp "${TMPDIR:-/tmp}/pyro-distributed-integrations.XXXXXX")
+    set -m
+    bash scripts/test_integrations.sh "$@" >"$INTEGRATIONS_LOG" 2>&1 &
+    INTEGRATIONS_LANE=$!
+    set +m
+    # A main lane that fails stops the other lane too, and nothing is left running.
+    trap 'kill -- -"$INTEGRATIONS_LANE" 2>/dev/null || true; rm -f "$INTEGRATIONS_LOG"' EXIT
+    bash scripts/install_horovod.sh
+fi
 
 echo "[test] ruff"
 ruff check pyro_distributed tests examples benchmarks scripts docs/conf.py docs/_ext
@@ -50,16 +71,15 @@ echo "[test] package"
 bash scripts/check_package.sh
 echo "[test] pytest"
 # --durations: the slowest tests in every run's log, to keep the command's time in view.
-python -m pytest --durations=25 "$@"
+# --dist loadgroup: tests marked xdist_group (the Slurm ones) share one worker.
+status=0
+python -m pytest -n 2 --dist loadgroup --durations=25 "$@" || status=$?
 
-# scvi-tools and cell2location (and jax, ~2 GB) in a venv of their own, with
-# the lowest Lightning the strategy supports: the integration tests (each trains
-# real scvi-tools and cell2location models under Lightning's own launcher), and
-# the Lightning tests that reach into Lightning's version-dependent API again on
-# that Lightning (the main venv has the highest; the rest of tests/lightning
-# runs there only, to keep the whole command within its time budget).
-echo "[test] integrations"
-bash scripts/setup_integrations.sh
-INTEGRATIONS_PYTHON=${PYRO_DISTRIBUTED_INTEGRATIONS_VENV:-.venv-integrations}/bin/python
-"$INTEGRATIONS_PYTHON" -m pytest --durations=10 tests/integrations tests/lightning/test_internals.py \
-    tests/lightning/test_resume_mid_epoch.py -m "integrations or not (horovod or mpi)" "$@"
+echo "[test] waiting for the integrations lane"
+lane=0
+wait "$INTEGRATIONS_LANE" || lane=$?
+trap - EXIT
+cat "$INTEGRATIONS_LOG"
+rm -f "$INTEGRATIONS_LOG"
+echo "[test] main tests: exit $status; integrations lane: exit $lane"
+(( status == 0 && lane == 0 ))

@@ -92,6 +92,11 @@ def cuda_requested(config: pytest.Config) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slurm") is not None:
+            # One Slurm node of two CPUs: its steps run one after another, on
+            # one pytest worker (-n 2 --dist loadgroup), never two at once.
+            item.add_marker(pytest.mark.xdist_group("slurm"))
     if config.getoption("--quick"):
         kept: list[pytest.Item] = []
         left_out: list[pytest.Item] = []
