@@ -18,7 +18,7 @@ it changes is what DDP does with gradients and data:
 * Training steps run inside :func:`~pyro_distributed.shard_subsamples`, with
   local parameters owned by their worker when ``own_local_params=True``.
 * Loaders get this library's samplers, also a ``BatchSampler`` passed as
-  the ``sampler`` (scvi-tools' loaders; :mod:`pyro_distributed.lightning.samplers`).
+  the ``sampler`` (scvi-tools' loaders; :mod:`pyro_distributed.lightning.data`).
 * An ``SVI`` that the LightningModule steps itself (scvi-tools'
   ``PyroTrainingPlan``) gets its optimizer wrapped too, and the workers'
   parameters are compared after the first step and at the end of training
