@@ -70,9 +70,13 @@ def test_survivor_names_the_dead_worker_within_seconds(how: str, tmp_path: Path)
 
 def hang_with_short_timeout(checkpoint: str) -> dict[str, Any]:
     # The 3 s time-out covers joining too: leave the harness's group together,
-    # so that a busy machine's start-up skew is not mistaken for the hang.
-    pd.current_engine().barrier()
+    # so that a busy machine's start-up skew is not mistaken for the hang, and
+    # meet again on a new port: on the old one, the worker that shuts down
+    # first can reach worker 0's old store just before it closes.
+    port = torch.tensor([free_port() if pd.rank() == 0 else 0])
+    pd.current_engine().broadcast_([port])
     pd.shutdown()
+    os.environ["MASTER_PORT"] = str(int(port))
     pd.init("torch", timeout=3)
     return die_at_step_five("hang", checkpoint)
 
