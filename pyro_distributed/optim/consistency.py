@@ -56,27 +56,32 @@ def assert_in_sync(optim: Synchronised | None = None) -> None:
     .. warning::
         A collective: call it on every worker at the same point.
     """
-    engine: Engine = optim.engine if optim is not None else runtime.current_engine()
+    if optim is not None:
+        tensors, state = optim.checked_tensors(), optim.get_state()
+        compare_across_workers(optim.engine, tensors, optim.checked_buffers(), state)
+        return
+    tensors = dict(pyro.get_param_store().named_parameters())
+    buffers = dict(named_buffers(trained_modules(list(tensors.values()))))
+    compare_across_workers(runtime.current_engine(), tensors, buffers, None)
+
+
+def compare_across_workers(
+    engine: Engine,
+    tensors: dict[str, Tensor],
+    buffers: dict[str, Tensor],
+    state: dict[str, Any] | None,
+) -> None:
+    """:func:`assert_in_sync` on what it reads: parameters (local ones left
+    out), module buffers and, where given, optimizer state by parameter name."""
     # Local parameters differ across workers by design: each holds its own rows.
     local = local_params()
-    tensors = (
-        optim.checked_tensors()
-        if optim is not None
-        else dict(pyro.get_param_store().named_parameters())
-    )
     entries = [
         (f"parameter {name!r}", digest(value))
         for name, value in sorted(tensors.items())
         if name not in local
     ]
-    buffers = (
-        optim.checked_buffers()
-        if optim is not None
-        else dict(named_buffers(trained_modules(list(tensors.values()))))
-    )
     entries += [(f"buffer {name!r}", digest(value)) for name, value in buffers.items()]
-    if optim is not None:
-        state = optim.get_state()
+    if state is not None:
         entries += [
             (f"optimizer state of {name!r}", digest(state[name]))
             for name in sorted(state, key=str)

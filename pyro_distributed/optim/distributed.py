@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import pyro
 import torch
@@ -202,7 +202,7 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         # Steps the rows of local_updates="sparse" parameters (optim.sparse_step).
         self._sparse = SparseStepper(pyro_optim)
         self._store_names = _StoreNames()
-        self._step = DataParallelStep(engine, options, "param store")
+        self._step = DataParallelStep(engine, options, self)
 
     @property
     def grouped(self) -> bool:
@@ -230,13 +230,8 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         if not step.start():
             self._step_wrapped(params, sparse, args, kwargs)
             return
-        stepped = step.exchange(self._store_names(params), _param_store, sparse)
-        step.finish(
-            stepped,
-            lambda tensors: self._step_wrapped(tensors, sparse, args, kwargs),
-            self,
-            lambda: _store_named(stepped.tensors),
-        )
+        stepped = step.exchange(self._store_names(params), sparse)
+        step.finish(stepped, lambda tensors: self._step_wrapped(tensors, sparse, args, kwargs))
 
     def _step_wrapped(
         self, params: Iterable[Tensor], sparse: list[RowGradients], args: Any, kwargs: Any
@@ -275,9 +270,19 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
             self._stepper.forget()
         self._sparse.forget()
 
+    # -- what the step asks (StepOwner)
+
+    catalog_name: ClassVar[str] = "param store"
+
     def checked_tensors(self) -> dict[str, Tensor]:
         """The parameters that must be identical on every worker: the param store."""
         return _param_store()
+
+    def _on_bind(self, exchanges: bool) -> None:
+        pass
+
+    def _check_local(self, local: dict[str, Tensor]) -> None:
+        pass  # a PyroOptim makes each parameter's optimizer when it first steps it
 
     def get_state(self) -> dict[str, Any]:
         """The optimizer state, keyed by param-store name, in PyroOptim's format."""
@@ -332,11 +337,6 @@ def _by_store_name(params: Iterable[Tensor]) -> dict[str, Tensor]:
             )
         named[name] = param
     return named
-
-
-def _store_named(params: Iterable[Tensor]) -> list[tuple[str, Tensor]]:
-    store = pyro.get_param_store()
-    return [(store.param_name(param) or "?", param) for param in params]
 
 
 def _param_store() -> dict[str, Tensor]:

@@ -22,26 +22,28 @@ worker:
 
 Steps 2-3 (:meth:`DataParallelStep.exchange`) and 4-5
 (:meth:`DataParallelStep.finish`) are two calls, because the torch front
-end's ``synchronize()`` exchanges before the user clips. :class:`FrontEnd`
-gives a front end what it reads from its step: ``engine``, ``sync``,
-``num_steps``, ``noise_scale()``.
+end's ``synchronize()`` exchanges before the user clips. The step asks its
+front end for what only the front end knows through one typed protocol,
+:class:`StepOwner`; :class:`FrontEnd` gives a front end what it reads from its
+step: ``engine``, ``sync``, ``num_steps``, ``noise_scale()``. Neither calls
+back into the other.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 from torch import Tensor
 
 from ..engines import Engine
-from ..exchange import Catalog, Compression, Exchanged, GradientSync, Reduction, compressor
+from ..exchange import Compression, Exchanged, GradientSync, Reduction, compressor
 from ..local.gradients import LocalGradients, nonfinite_rows, scale_row_grads, split_local
 from ..local.registry import generation
 from ..local.sparse import RowGradients
-from .consistency import assert_in_sync
+from .consistency import compare_across_workers
 from .module_buffers import ModuleBuffers, named_buffers
 from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .options import EngineBinding, check_options, make_sync
@@ -99,28 +101,57 @@ class Stepped:
         """Whether every gradient, on every worker, is finite (the same everywhere)."""
         return self.exchanged.finite
 
+    def named(self) -> dict[str, Tensor]:
+        """Every stepped parameter by name: exchanged, local, sparse local."""
+        exchanged = self.exchanged
+        return {
+            **dict(zip(exchanged.names, exchanged.tensors, strict=True)),
+            **self.local,
+            **{rows.name: rows.tensor for rows in self.sparse},
+        }
+
+
+class StepOwner(Protocol):
+    """What a :class:`DataParallelStep` asks of the front end that owns it.
+
+    None of these calls the step back. The two underscored calls are the
+    step's alone: a front end's users have no reason to make them.
+    """
+
+    #: What the exchange calls a worker's parameters in its errors.
+    catalog_name: ClassVar[str]
+
+    def checked_tensors(self) -> dict[str, Tensor]:
+        """Every parameter this worker could step that must be identical on
+        every worker, by shared name (the exchange's catalog, and the drift check's)."""
+        ...
+
+    def get_state(self) -> dict[str, Any]:
+        """Per-parameter optimizer state, by the names of :meth:`checked_tensors`."""
+        ...
+
+    def _on_bind(self, exchanges: bool) -> None:
+        """Called once the engine is bound, with whether there is an exchange."""
+        ...
+
+    def _check_local(self, local: dict[str, Tensor]) -> None:
+        """Refuse local parameters the wrapped optimizer cannot step, before anything moves."""
+        ...
+
 
 class DataParallelStep:
     """The step around the exchange, shared by every front end (module docstring).
 
     :param engine: an engine or its name, bound at the first step.
     :param options: the front end's checked options.
-    :param catalog_name: what the exchange calls a worker's parameters in errors.
-    :param on_bind: called with whether there is an exchange, once bound.
+    :param owner: the front end, asked only what :class:`StepOwner` names.
     """
 
-    def __init__(
-        self,
-        engine: str | Engine,
-        options: StepOptions,
-        catalog_name: str,
-        on_bind: Callable[[bool], None] | None = None,
-    ) -> None:
+    def __init__(self, engine: str | Engine, options: StepOptions, owner: StepOwner) -> None:
         self.options = options
         #: How many steps were taken (saved in checkpoints).
         self.num_steps = 0
-        self._catalog_name = catalog_name
-        self._on_bind = on_bind
+        self._owner = owner
         self._noise: NoiseScaleEstimator | None = None
         self._sync: GradientSync | None = None
         self._local: LocalGradients | None = None
@@ -160,46 +191,37 @@ class DataParallelStep:
             options.reduction,
             options.overlap,
             self._noise,
-            self._catalog_name,
+            self._owner.catalog_name,
         )
         self._local = LocalGradients(engine)
         self._buffers = ModuleBuffers(engine) if self._sync is not None else None
-        if self._on_bind is not None:
-            self._on_bind(self._sync is not None)
+        self._owner._on_bind(self._sync is not None)
 
     def start(self) -> bool:
         """Count a step; return whether it exchanges (more than one worker)."""
         self.num_steps += 1
         return self.sync is not None
 
-    def exchange(
-        self,
-        named: Mapping[str, Tensor],
-        catalog: Catalog,
-        sparse: list[RowGradients],
-        check_local: Callable[[dict[str, Tensor]], None] | None = None,
-    ) -> Stepped:
+    def exchange(self, named: Mapping[str, Tensor], sparse: list[RowGradients]) -> Stepped:
         """Scale the local gradients and rows, exchange the rest (a collective).
 
         :param named: the tensors to step, by names every worker shares. A
             front end whose tensors are the same as last step's hands over the
             very same mapping (and never changes one it has handed over): the
             step then reuses last step's plan, with no pass over the tensors.
-        :param catalog: every tensor this worker could step, by name.
         :param sparse: the sparse local rows taken for this step.
-        :param check_local: called with the local parameters before anything moves.
         """
         sync, local_gradients = self._sync, self._local
         assert sync is not None and local_gradients is not None  # start() said so
         replicated, local = self._split(named)
         local_finite = True
         if local or sparse:
-            if check_local is not None:
-                check_local(local)
+            self._owner._check_local(local)
             # Local gradients never travel: scaled as the exchange scales an
             # average, and checked here; the check rides in the exchange's header.
             scale = sync.average_alone_
             local_finite = local_gradients.prepare(local, scale, scale_row_grads(sparse, scale))
+        catalog = self._owner.checked_tensors
         exchanged = sync.exchange(replicated, catalog, nonfinite_here=not local_finite)
         return Stepped(exchanged, local, sparse)
 
@@ -216,45 +238,37 @@ class DataParallelStep:
         self._last_split = (named, now, replicated, local)
         return replicated, local
 
-    def finish(
-        self,
-        stepped: Stepped,
-        step_optimizer: Callable[[Sequence[Tensor]], None],
-        front_end: FrontEnd,
-        named: Callable[[], Iterable[tuple[str, Tensor]]],
-    ) -> None:
-        """Step (``step_optimizer(tensors)``) or skip; then release, buffers, drift check.
-
-        :param named: the stepped parameters by name, for the error or warning
-            of a non-finite step.
-        """
+    def finish(self, stepped: Stepped, step_optimizer: Callable[[Sequence[Tensor]], None]) -> None:
+        """Step (``step_optimizer(tensors)``) or skip; then release, buffers, drift check."""
         sync, options, buffers = self._sync, self.options, self._buffers
         assert sync is not None and buffers is not None  # start() said so
         if stepped.finite and self._noise is not None and stepped.exchanged.tensors:
             self._noise.observe(*sync.squared_norms())  # before the optimizer clips
         exchanged = stepped.exchanged
-
-        def named_now() -> dict[str, Tensor]:
-            return {
-                **dict(zip(exchanged.names, exchanged.tensors, strict=True)),
-                **stepped.local,
-                **{rows.name: rows.tensor for rows in stepped.sparse},
-            }
-
         # The same names as the last step: the same modules (no O(parameters) pass).
         key = (exchanged.names, tuple(stepped.local), tuple(r.name for r in stepped.sparse))
-        finish_buffers = buffers.start(key, named_now)  # travels while the optimizer steps
+        finish_buffers = buffers.start(key, stepped.named)  # travels while the optimizer steps
         try:
             if stepped.finite:
                 step_optimizer(stepped.tensors)
             else:
+                names = (*exchanged.names, *stepped.local)
+                named = zip(names, stepped.tensors, strict=True)
                 extra = nonfinite_rows(stepped.sparse)
-                refuse_nonfinite(named(), self.num_steps, options.nonfinite, 5, extra)
+                refuse_nonfinite(named, self.num_steps, options.nonfinite, 5, extra)
         finally:
             finish_buffers()
         exchanged.release_borrowed()
         if options.check_every and self.num_steps % options.check_every == 0:
-            assert_in_sync(front_end)
+            self._check_in_sync()
+
+    def _check_in_sync(self) -> None:
+        """:func:`~pyro_distributed.assert_in_sync` on the owner's parameters and
+        state and this step's buffers (a collective)."""
+        owner = self._owner
+        compare_across_workers(
+            self.engine, owner.checked_tensors(), self.buffers(), owner.get_state()
+        )
 
     def noise_scale(self, batch_size: int | None) -> NoiseScale:
         """The gradient noise scale so far; ``ValueError`` without ``noise_scale=True``."""

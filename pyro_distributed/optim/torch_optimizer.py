@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -144,12 +144,16 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         self._named: dict[str, Tensor] = {}
         # Swaps the rows of local_updates="sparse" parameters in (optim.sparse_step).
         self._sparse = TorchSparseStepper(optimizer)
-        # Watch from the start, as a run of several workers will (see _bound).
+        # Watch from the start, as a run of several workers will (see _on_bind).
         self._stamps.watch([param for _, param in self.named_parameters()])
-        self._step = DataParallelStep(engine, options, "optimizer", self._bound)
+        self._step = DataParallelStep(engine, options, self)
         init_optimizer_hooks(self)
 
-    def _bound(self, exchanges: bool) -> None:
+    # -- what the step asks (StepOwner)
+
+    catalog_name: ClassVar[str] = "optimizer"
+
+    def _on_bind(self, exchanges: bool) -> None:
         # One worker has no average to clip. The hooks go on before local
         # rows are cut (construction, not the first step): a hook added to a
         # parameter after its rows were cut in place breaks its next backward.
@@ -247,9 +251,7 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
             self._warn_if_changed_since_backward()
             stepped = self._exchange()
         self._synchronized = None
-        self._step.finish(
-            stepped, lambda _: self._step_wrapped(stepped.sparse), self, self.named_parameters
-        )
+        self._step.finish(stepped, lambda _: self._step_wrapped(stepped.sparse))
         if not self._warned_changed:
             self._stamps.watch(stepped.exchanged.tensors)
         return loss
@@ -264,12 +266,7 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
     def _exchange(self) -> Stepped:
         # First: an optimizer without a lazy rule is refused before anything travels.
         sparse = self._sparse.take()
-        return self._step.exchange(
-            self._named_now(),
-            self._catalog,
-            sparse,
-            check_local=lambda local: check_state_fits(self.wrapped, local),
-        )
+        return self._step.exchange(self._named_now(), sparse)
 
     def _named_now(self) -> dict[str, Tensor]:
         """:meth:`named_parameters` as a dict; the last step's dict while every
@@ -278,10 +275,6 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         if key != self._named_key:
             self._named_key, self._named = key, dict(self.named_parameters())
         return self._named
-
-    def _catalog(self) -> dict[str, Tensor]:
-        replicated, _ = split_local(dict(self.named_parameters()))
-        return replicated
 
     def _warn_if_changed_since_backward(self) -> None:
         if self._warned_changed:
@@ -309,4 +302,8 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
     def checked_tensors(self) -> dict[str, Tensor]:
         """The parameters that must be identical on every worker (local ones are
         each worker's own), by exchange name."""
-        return self._catalog()
+        replicated, _ = split_local(dict(self.named_parameters()))
+        return replicated
+
+    def _check_local(self, local: dict[str, Tensor]) -> None:
+        check_state_fits(self.wrapped, local)
