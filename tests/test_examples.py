@@ -121,7 +121,8 @@ QUICKSTART_WIDTH = 0.3 / 10_000**0.5
 
 
 def quickstart_posterior(output: str) -> tuple[list[float], list[float]]:
-    match = re.search(r"^w: mean \[(.*)\] sd \[(.*)\]$", output, re.MULTILINE)
+    # No "$": another worker's line may follow on the same line (see tests/engines/test_slurm.py).
+    match = re.search(r"^w: mean \[([^]]*)\] sd \[([^]]*)\]", output, re.MULTILINE)
     assert match, output
     return [float(v) for v in match.group(1).split(",")], [
         float(v) for v in match.group(2).split(",")

@@ -48,10 +48,13 @@ store = pyro.get_param_store()
 for name in sorted(store.keys()):
     digest.update(name.encode())
     digest.update(store[name].detach().cpu().contiguous().numpy().tobytes())
-print(f"task {engine.rank} local {engine.local_rank} engine {engine.name} "
-      f"world {engine.world_size} params {digest.hexdigest()}", flush=True)
+sys.stdout.write(f"task {engine.rank} local {engine.local_rank} engine {engine.name} "
+                 f"world {engine.world_size} params {digest.hexdigest()}\n")
+sys.stdout.flush()
 """
-_TASK = re.compile(r"^task (\d+) local (\d+) engine (\S+) world (\d+) params (\S+)$", re.M)
+# Not anchored to a line: an unbuffered print() writes its text and its newline
+# in two writes, and the launcher may put another task's line between them.
+_TASK = re.compile(r"task (\d+) local (\d+) engine (\S+) world (\d+) params ([0-9a-f]{64})")
 
 
 @functools.cache
@@ -97,7 +100,7 @@ def assert_one_model(
 
 
 def posterior_line(output: str) -> str:
-    match = re.search(r"^w: mean .*$", output, re.MULTILINE)
+    match = re.search(r"^w: mean \[[^]]*\] sd \[[^]]*\]", output, re.MULTILINE)
     assert match, output
     return match.group(0)
 
