@@ -42,6 +42,28 @@ def pytest_configure(config: pytest.Config) -> None:
         if is_launcher_variable(name):
             del os.environ[name]
     os.environ["OMP_NUM_THREADS"] = "1"
+    _refuse_loadgroup_that_does_not_group(config)
+
+
+def _refuse_loadgroup_that_does_not_group(config: pytest.Config) -> None:
+    """From pytest 9.2, pytest-xdist 3.8's ``--dist loadgroup`` silently stops
+    grouping (it renames tests to carry their group, and pytest 9.2 ignores
+    the new name: pytest-dev/pytest-xdist#1386). The tests that share a launch
+    (``one_pytest_worker``) or the one Slurm node would then each be run by
+    both pytest workers. The dev extra pins a pytest that groups."""
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    import xdist
+
+    def release(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+
+    if release(pytest.__version__) >= (9, 2) and release(xdist.__version__) <= (3, 8):
+        raise pytest.UsageError(
+            f"--dist loadgroup does not group tests with pytest {pytest.__version__} and "
+            f"pytest-xdist {xdist.__version__} (pytest-dev/pytest-xdist#1386); install "
+            f"the versions of the dev extra (pip install -e '.[dev]')"
+        )
 
 
 #: What ``--quick`` (``scripts/test.sh --quick``, the inner loop) leaves out,

@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from pyro_distributed.engines import Engine
@@ -307,6 +308,16 @@ def _outcomes(
                 reports[rank] = payload
         outcome[name] = WorkerFailure(reports, values) if reports else list(values.values())
     return outcome
+
+
+def one_pytest_worker(module: str) -> pytest.MarkDecorator:
+    """Keep a module's tests on one pytest worker (``-n 2 --dist loadgroup``).
+
+    For modules whose tests share launches (a module-scoped fixture,
+    :class:`HorovodSuites`): every pytest worker that runs one of its tests
+    would otherwise start those launches again.
+    """
+    return pytest.mark.xdist_group(module)
 
 
 class HorovodSuites:

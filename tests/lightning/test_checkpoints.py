@@ -20,8 +20,11 @@ import torch
 
 from pyro_distributed.lightning import PyroDistributedStrategy
 
+from ..harness import one_pytest_worker
 from .scripts.fit_regression import N, listing
 from .test_strategy import fit, launch
+
+pytestmark = one_pytest_worker(__name__)  # every test reads the runs of `written`
 
 PLAN = ["--plan", "local", "--val-every", "1"]  # validation draws from the RNG: every epoch
 LOCAL = ("loss_fn.guide.locs.z_unconstrained", "loss_fn.guide.scales.z_unconstrained")

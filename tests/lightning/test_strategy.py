@@ -17,7 +17,7 @@ import lightning.pytorch  # noqa: F401 (a missing Lightning fails the run here)
 import pytest
 import torch
 
-from ..harness import free_port, run_script
+from ..harness import free_port, one_pytest_worker, run_script
 from .scripts.fit_regression import N_TEST, N_VAL, SIGMA, N, make_data
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,33 +155,48 @@ def test_early_stopping_stops_every_worker_at_the_same_step(tmp_path: Path) -> N
     assert_in_sync(records)
 
 
-def test_a_run_resumed_from_model_checkpoint_continues_bitwise(tmp_path: Path) -> None:
-    # Validation every epoch in all three runs: its loader draws from the RNG.
-    plan = ["--plan", "auto", "--val-every", "1"]
-    straight = fit(tmp_path / "straight", *plan, "--epochs", "4")
-    checkpoints = tmp_path / "checkpoints"
-    fit(tmp_path / "first", *plan, "--epochs", "2", "--checkpoint-dir", str(checkpoints))
-    resumed = fit(
-        tmp_path / "resumed", *plan, "--epochs", "4", "--resume", str(checkpoints / "last.ckpt")
-    )
+AUTO_PLAN = ("--plan", "auto", "--val-every", "1")
+SHARES_AUTO_CHECKPOINTS = one_pytest_worker(f"{__name__}.auto_checkpoints")
+
+
+@pytest.fixture(scope="module")
+def auto_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A W=2 run that writes checkpoints (2 epochs), read by both resume tests.
+
+    Validation runs every epoch, here and in every resumed or straight run:
+    its loader draws from the RNG.
+    """
+    root = tmp_path_factory.mktemp("auto-checkpoints")
+    directory = root / "checkpoints"
+    first = fit(root / "first", *AUTO_PLAN, "--epochs", "2", "--checkpoint-dir", str(directory))
+    return {"first": first, "last": directory / "last.ckpt"}
+
+
+@SHARES_AUTO_CHECKPOINTS
+def test_a_run_resumed_from_model_checkpoint_continues_bitwise(
+    tmp_path: Path, auto_checkpoints: dict[str, Any]
+) -> None:
+    straight = fit(tmp_path / "straight", *AUTO_PLAN, "--epochs", "4")
+    resume = ["--epochs", "4", "--resume", str(auto_checkpoints["last"])]
+    resumed = fit(tmp_path / "resumed", *AUTO_PLAN, *resume)
     assert [r["global_step"] for r in resumed] == [20, 20]
     for a, b in zip(straight, resumed, strict=True):
         for name in a["posterior"]:
             assert torch.equal(a["posterior"][name], b["posterior"][name]), name
 
 
-def test_a_checkpoint_resumes_at_another_world_size(tmp_path: Path) -> None:
+@SHARES_AUTO_CHECKPOINTS
+def test_a_checkpoint_resumes_at_another_world_size(
+    tmp_path: Path, auto_checkpoints: dict[str, Any]
+) -> None:
     # Written by 2 workers, resumed by 1: the module and optimizer state are
     # whole; RNG states are per worker and restored only at the same W.
-    plan = ["--plan", "auto", "--val-every", "1"]
-    checkpoints = tmp_path / "checkpoints"
-    first = fit(tmp_path / "first", *plan, "--epochs", "2", "--checkpoint-dir", str(checkpoints))
-    resume = ["--epochs", "3", "--resume", str(checkpoints / "last.ckpt")]
-    (one,) = fit(tmp_path / "one", *plan, *resume, workers=1)
+    resume = ["--epochs", "3", "--resume", str(auto_checkpoints["last"])]
+    (one,) = fit(tmp_path / "one", *AUTO_PLAN, *resume, workers=1)
     # 2 x 5 steps restored, then one epoch of 10 steps alone (from scratch: 30).
     assert one["world_size"] == 1 and one["global_step"] == 10 + 10
     assert len(one["seen"]) == N  # the third epoch: every row, on the one worker
-    assert [r["global_step"] for r in first] == [10, 10]
+    assert [r["global_step"] for r in auto_checkpoints["first"]] == [10, 10]
 
 
 @pytest.mark.horovod

@@ -16,7 +16,7 @@ from pyro.nn import PyroModule
 import pyro_distributed as pd
 from pyro_distributed.optim.torch_optimizer import DistributedTorchOptimizer
 
-from ..harness import WorkerFailure, run_under_launcher, run_workers
+from ..harness import WorkerFailure, one_pytest_worker, run_under_launcher, run_workers
 
 
 def small_net(seed: int) -> torch.nn.Module:
@@ -314,16 +314,27 @@ def elbo_module(steps: int) -> dict[str, Any]:
         pyro.settings.set(module_local_params=False)
 
 
+SHARES_ELBO_RUNS = one_pytest_worker(f"{__name__}.elbo_runs")
+
+
+@pytest.fixture(scope="module")
+def elbo_runs() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """:func:`elbo_module`'s 800 steps on one worker, and on two (read by two tests)."""
+    return run_workers(elbo_module, 800, world_size=1)[0], run_workers(elbo_module, 800)
+
+
 @pytest.mark.slow
-def test_an_elbo_module_trains_in_sync_to_the_posterior_of_all_the_data() -> None:
+@SHARES_ELBO_RUNS
+def test_an_elbo_module_trains_in_sync_to_the_posterior_of_all_the_data(
+    elbo_runs: tuple[dict[str, Any], list[dict[str, Any]]],
+) -> None:
     x, y = regression_rows()
     # The exact posterior of w: Normal(0, 10^2) prior, known noise 0.5.
     precision = x.T @ x / 0.25 + torch.eye(2) / 100.0
     covariance = torch.linalg.inv(precision)
     mean = covariance @ x.T @ y / 0.25
     log_sd = covariance.diagonal().sqrt().log()
-    one = run_workers(elbo_module, 800, world_size=1)[0]
-    two = run_workers(elbo_module, 800)
+    one, two = elbo_runs
     params = one["params"]
     assert params.keys() == two[0]["params"].keys()
     for name in params:
@@ -337,9 +348,11 @@ def test_an_elbo_module_trains_in_sync_to_the_posterior_of_all_the_data() -> Non
 
 
 @pytest.mark.slow
-def test_evaluation_prediction_and_noise_scale_work_on_the_torch_native_path() -> None:
-    one = run_workers(elbo_module, 400, world_size=1)[0]
-    two = run_workers(elbo_module, 400)
+@SHARES_ELBO_RUNS
+def test_evaluation_prediction_and_noise_scale_work_on_the_torch_native_path(
+    elbo_runs: tuple[dict[str, Any], list[dict[str, Any]]],
+) -> None:
+    one, two = elbo_runs
     # The held-out loss is a global figure, the same on every worker, and the
     # same model fitted on one worker or two gives about the same one.
     assert two[0]["held_out"] == two[1]["held_out"]
@@ -348,7 +361,7 @@ def test_evaluation_prediction_and_noise_scale_work_on_the_torch_native_path() -
     assert two[0]["predicted"].shape == (301,)
     assert torch.allclose(two[0]["predicted"], one["predicted"], atol=0.05)
     noise = two[0]["noise"]
-    assert noise is not None and noise.steps == 400
+    assert noise is not None and noise.steps == 800
     # Converged, |G|^2 is buried in noise (it may be negative); tr(Sigma) is not.
     assert math.isfinite(noise.gradient_sq) and noise.trace_sigma > 0
     assert noise == two[1]["noise"], "every worker holds the same figures"
