@@ -122,8 +122,8 @@ class StepOwner(Protocol):
     catalog_name: ClassVar[str]
 
     def checked_tensors(self) -> dict[str, Tensor]:
-        """Every parameter this worker could step that must be identical on
-        every worker, by shared name (the exchange's catalog, and the drift check's)."""
+        """Every parameter this worker could step, by shared name: the exchange's
+        catalog, and what the drift check compares (local parameters left out)."""
         ...
 
     def get_state(self) -> dict[str, Any]:
