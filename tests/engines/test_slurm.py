@@ -49,7 +49,7 @@ for name in sorted(store.keys()):
     digest.update(name.encode())
     digest.update(store[name].detach().cpu().contiguous().numpy().tobytes())
 sys.stdout.write(f"task {engine.rank} local {engine.local_rank} engine {engine.name} "
-                 f"world {engine.world_size} params {digest.hexdigest()}\n")
+                 f"world {engine.world_size} params {digest.hexdigest()}\\n")
 sys.stdout.flush()
 """
 # Not anchored to a line: an unbuffered print() writes its text and its newline
