@@ -17,7 +17,8 @@ except ImportError as exc:  # pragma: no cover - the tests run with Lightning in
         "pyro_distributed.lightning needs Lightning: pip install pyro-distributed[lightning]"
     ) from exc
 
+from ..optim.options import OptimizerOptions
 from .data import IndexedDataset
 from .strategy import PyroDistributedStrategy
 
-__all__ = ["IndexedDataset", "PyroDistributedStrategy"]
+__all__ = ["IndexedDataset", "OptimizerOptions", "PyroDistributedStrategy"]

@@ -56,6 +56,7 @@ from ..data.subsample import shard_subsamples
 from ..engines import Engine, check_engine_name, engine_class
 from ..errors import PyroDistributedError
 from ..local.sparse import check_local_updates
+from ..optim.options import OptimizerOptions, check_optimizer_options
 from ..optim.torch_optimizer import DistributedTorchOptimizer
 from . import (
     anndata,
@@ -93,9 +94,9 @@ class PyroDistributedStrategy(DDPStrategy):
         does (``DataLoader(shuffle=True)`` shuffles, ``shuffle=False`` keeps
         the data's order, split between the workers).
     :param seed: the seed of the shared order.
-    :param optimizer_options: keyword arguments for every
-        :class:`~pyro_distributed.DistributedOptimizer` the strategy makes
-        (``bucket_cap_mb``, ``compression``, ``overlap``, ...).
+    :param optimizer_options: options for every optimizer the strategy
+        wraps (``bucket_cap_mb``, ``compression``, ``overlap``, ...; the keys of
+        :class:`~pyro_distributed.lightning.OptimizerOptions`), checked here.
 
     The other arguments are :class:`~lightning.pytorch.strategies.DDPStrategy`'s.
 
@@ -157,7 +158,7 @@ class PyroDistributedStrategy(DDPStrategy):
         local_updates: str = "dense",
         shuffle: bool | None = None,
         seed: int = 0,
-        optimizer_options: Mapping[str, Any] | None = None,
+        optimizer_options: OptimizerOptions | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -174,9 +175,7 @@ class PyroDistributedStrategy(DDPStrategy):
         )
         if shuffle is not None:
             check_bool("shuffle", shuffle)
-        options = dict(optimizer_options or {})
-        if "engine" in options:
-            raise TypeError("optimizer_options cannot hold 'engine'; pass engine= to the strategy")
+        options = check_optimizer_options(optimizer_options, "PyroDistributedStrategy")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -324,9 +323,10 @@ class PyroDistributedStrategy(DDPStrategy):
         if isinstance(optimizer, DistributedTorchOptimizer):
             wrapped = optimizer
         else:
-            wrapped = DistributedTorchOptimizer(
-                optimizer, engine=self.engine, **self._optimizer_options
-            )
+            # multi_tensor is for pyro.optim optimizers: torch's step theirs together.
+            options: dict[str, Any] = dict(self._optimizer_options)
+            options.pop("multi_tensor", None)
+            wrapped = DistributedTorchOptimizer(optimizer, engine=self.engine, **options)
         wrapped.engine  # noqa: B018 (bind now, before Lightning wraps it in a LightningOptimizer)
         return wrapped
 

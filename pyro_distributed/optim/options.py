@@ -20,14 +20,71 @@ worker while others exist would train W independent replicas, silently.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal, TypedDict
 
 from .. import runtime
 from ..checks import check_bool, check_choice, check_int, check_number
 from ..engines import Engine, check_engine_name
 from ..errors import PyroDistributedError
-from ..exchange import GradientSync, Reduction
+from ..exchange import Compression, GradientSync, Reduction, compressor
 from .noise_scale import NoiseScaleEstimator
+
+
+class OptimizerOptions(TypedDict, total=False):
+    """Options for the optimizers a framework wraps for the user (the Lightning
+    strategy's ``optimizer_options``), each as :class:`~pyro_distributed.DistributedOptimizer`
+    documents it; an option left out takes its default.
+
+    ``multi_tensor`` concerns ``pyro.optim`` optimizers alone: a torch
+    optimizer steps its tensors together already (its ``foreach``).
+
+    Example::
+
+        from pyro_distributed.lightning import OptimizerOptions, PyroDistributedStrategy
+
+        options: OptimizerOptions = {"compression": "bf16", "check_every": 100}
+        strategy = PyroDistributedStrategy(optimizer_options=options)
+    """
+
+    bucket_cap_mb: float
+    nonfinite: Literal["skip", "raise"]
+    check_every: int | None
+    compression: Compression
+    overlap: bool
+    noise_scale: bool | float
+    multi_tensor: bool | None
+
+
+def check_optimizer_options(options: Any, where: str) -> OptimizerOptions:
+    """``options`` as :class:`OptimizerOptions`, or ``TypeError``/``ValueError``
+    naming a wrong one (checked now, not when the first optimizer is wrapped)."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"{where}: optimizer_options must be a dict, got {type(options).__name__}")
+    if "engine" in options:
+        raise TypeError(f"{where}: optimizer_options cannot hold 'engine'; pass engine= instead")
+    known = OptimizerOptions.__annotations__
+    unknown = sorted(str(name) for name in options if name not in known)
+    if unknown:
+        raise TypeError(
+            f"{where}: unknown optimizer option(s) {', '.join(map(repr, unknown))}; "
+            f"choose from {', '.join(map(repr, known))}"
+        )
+    try:
+        check_options(
+            options.get("bucket_cap_mb", 25.0),
+            options.get("nonfinite", "skip"),
+            options.get("check_every"),
+            options.get("overlap", True),
+        )
+        compressor(options.get("compression", "none"))
+        NoiseScaleEstimator.smoothing_of(options.get("noise_scale", False))
+        check_bool("multi_tensor", options.get("multi_tensor"), optional=True)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{where}: optimizer_options: {error}") from None
+    return OptimizerOptions(**options)  # type: ignore[typeddict-item]
 
 
 def check_options(bucket_cap_mb: Any, nonfinite: Any, check_every: Any, overlap: Any) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import resource
 import signal
@@ -233,6 +234,9 @@ def main() -> None:
     parser.add_argument("--fail-save-at-epoch", type=int, help="a worker's save fails then")
     parser.add_argument("--failing-worker", type=int, default=1)
     parser.add_argument("--file-limit", type=int, default=2048, help="bytes, for that worker")
+    parser.add_argument(
+        "--optimizer-options", type=json.loads, help="PyroDistributedStrategy(optimizer_options=)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -257,7 +261,9 @@ def main() -> None:
     strategy: Any = "ddp"
     if args.strategy == "ours":
         strategy = PyroDistributedStrategy(
-            engine=args.engine, own_local_params=args.plan == "local"
+            engine=args.engine,
+            own_local_params=args.plan == "local",
+            optimizer_options=args.optimizer_options,
         )
     callbacks = []
     if args.early_stop:
@@ -327,6 +333,7 @@ def main() -> None:
         "host": socket.gethostname(),
         "params": snapshot(plan, trainer.strategy.optimizers[0]),
         "restored": getattr(plan, "restored", None),
+        "check_every": getattr(trainer.strategy.optimizers[0], "check_every", None),
     }
     if args.strategy == "ours":
         strategy = trainer.strategy
