@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Literal
 from torch import Tensor
 
 from ..errors import PyroDistributedError
+from .network import own_addresses
 from .probes import UNREACHABLE, Peer, remote_losses
 
 #: How long any collective may block before the workers give up. Long enough
@@ -131,6 +132,8 @@ class Engine(abc.ABC):
         #: Where every worker lives, ``(host, pid)`` by rank, once
         #: :meth:`_learn_peers` ran: to name the lost ones when a collective fails.
         self._peers: list[Peer] = []
+        #: Open while this process lives, where :meth:`_probe_address` made one.
+        self._probe_socket: socket.socket | None = None
 
     @staticmethod
     def detected() -> bool:
@@ -165,11 +168,16 @@ class Engine(abc.ABC):
             )
         ]
 
-    def _probe_address(self) -> tuple[str | None, int | None]:
-        """Where other hosts can probe this worker's process (an address and a
-        port that accepts connections while it lives), or ``(None, None)`` for
+    def _probe_address(self) -> tuple[tuple[str, ...], int | None]:
+        """Where other hosts can probe this worker's process (its addresses and
+        a port that accepts connections while it lives), or ``((), None)`` for
         an engine that knows of no such place; see :mod:`.probes`."""
-        return None, None
+        return (), None
+
+    def _close_probe_socket(self) -> None:
+        if self._probe_socket is not None:
+            self._probe_socket.close()
+            self._probe_socket = None
 
     def lost_workers(self, grace: float = 0.0) -> list[str]:
         """Workers whose process has exited, or whose host cannot be reached,
@@ -192,7 +200,7 @@ class Engine(abc.ABC):
             time.sleep(0.1)
         remote = {r: peer for r, peer in enumerate(self._peers) if peer.host != here}
         if remote and grace > 0:  # the failure path: probing costs up to a second
-            lost += remote_losses(remote)
+            lost += remote_losses(remote, frozenset(own_addresses()))
         return lost
 
     def _diagnosis(self) -> str:

@@ -20,8 +20,12 @@ Design:
   within about a second (where the launcher leaves the survivors running;
   MPICH's ``mpiexec`` stops the job itself and names the dead PID), and
   anything else raises :class:`~pyro_distributed.PyroDistributedError` after
-  the time-out, naming the collective. The engine is then broken (a started collective can never
-  be cancelled), so :meth:`MPIEngine.shutdown`, which also runs at exit, ends
+  the time-out, naming the collective and, where a worker on another host
+  has exited or cannot be reached, that worker and its host (each worker
+  keeps a probe socket open on its interfaces, since MPI does not say which
+  address reaches it; :mod:`~pyro_distributed.engines.probes`). The engine
+  is then broken (a started collective can never be cancelled), so
+  :meth:`MPIEngine.shutdown`, which also runs at exit, ends
   the whole job with ``MPI_Abort``: ``mpirun`` exits non-zero instead of
   hanging in a peer's collective or in ``MPI_Finalize``. A script that dies
   of an uncaught exception aborts the job the same way. Where the launcher
@@ -61,6 +65,8 @@ from ..errors import PyroDistributedError
 from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp, describe_lost
 from .launchers import mpi_launcher_present, slurm_step
 from .mpi_buffers import MPIBuffers, library_takes_cuda
+from .network import own_addresses
+from .probes import open_probe_socket
 
 INSTALL_HINT = (
     "mpi4py is not installed. Install the MPI extra, which brings mpi4py and the "
@@ -231,15 +237,31 @@ class MPIEngine(Engine):
                         self._fail(what, describe_lost(lost))
                     next_look = now + _LIVENESS_INTERVAL
                 if now >= deadline:
+                    lost = self.lost_workers(grace=_LIVENESS_INTERVAL)
                     self._fail(
                         what,
-                        f"no answer within the time-out ({waited:.1f} s): a worker hung, "
-                        f"died on another machine or took another path through the code",
+                        f"no answer within the time-out ({waited:.1f} s): "
+                        + (
+                            describe_lost(lost)
+                            if lost
+                            else "a worker hung, died on another machine or took another "
+                            "path through the code"
+                        ),
                     )
                 if waited >= _YIELD_S:
                     time.sleep(_SLEEP_S)
                 elif waited >= _SPIN_S:
                     os.sched_yield()
+
+    def _probe_address(self) -> tuple[tuple[str, ...], int | None]:
+        """Every address of this host, with one port open on all of them:
+        MPI does not say which interface the other hosts reach."""
+        addresses = own_addresses()
+        if self._world_size == 1 or not addresses:
+            return (), None
+        self._probe_socket = open_probe_socket("0.0.0.0")
+        port: int = self._probe_socket.getsockname()[1]
+        return tuple(addresses), port
 
     def _fail(self, what: str, reason: str) -> None:
         self._health.failed = True
@@ -371,3 +393,4 @@ class MPIEngine(Engine):
                 signal.alarm(_ABORT_GRACE_S)
             self._comm.Abort(1)
         self._comm.Free()
+        self._close_probe_socket()

@@ -82,6 +82,12 @@ def interface_address(name: str) -> str | None:
     return socket.inet_ntoa(reply[20:24])
 
 
+def own_addresses() -> list[str]:
+    """The IPv4 addresses of this host's interfaces, loopback left out."""
+    found = (interface_address(name) for _, name in socket.if_nameindex())
+    return [address for address in found if address is not None and not is_loopback(address)]
+
+
 def interface_with_address(address: str) -> str | None:
     """The name of the interface that holds ``address``, or ``None``."""
     for _, name in socket.if_nameindex():

@@ -11,6 +11,12 @@ peer on another host, all at once, for at most :data:`PROBE_TIMEOUT_S`:
 * the connection is accepted: the worker's process lives;
 * it is refused: the host is up but the worker's process is gone;
 * no answer: the host is down or cut off from this one.
+
+A worker may publish several addresses (an engine that does not know which of
+its interfaces the others reach, the mpi engine). A survivor leaves out those
+it holds itself (a bridge address every host has, say) and probes the rest
+together: one that accepts means the worker lives, else one that refuses means
+its process is gone, else its host cannot be reached.
 """
 
 from __future__ import annotations
@@ -32,12 +38,13 @@ class Peer:
 
     host: str
     pid: int
-    address: str | None = None
+    addresses: tuple[str, ...] = ()
     port: int | None = None
 
 
 def open_probe_socket(address: str) -> socket.socket:
-    """A socket that accepts probes on ``address`` while this process lives."""
+    """A socket that accepts probes on ``address`` (``"0.0.0.0"``: on every
+    interface) while this process lives."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((address, 0))
     listener.listen(64)
@@ -57,22 +64,31 @@ def _probe(address: str, port: int) -> str:
         return "unreachable"
 
 
-def remote_losses(peers: dict[int, Peer]) -> list[str]:
-    """The peers (by rank) that have exited or cannot be reached, described for a message."""
-    probed = {
-        rank: (peer.address, peer.port)
+def remote_losses(peers: dict[int, Peer], own: frozenset[str] = frozenset()) -> list[str]:
+    """The peers (by rank) that have exited or cannot be reached, described for a
+    message; ``own``: this host's addresses, never probed as a peer's."""
+    probed = [
+        (rank, address, peer.port)
         for rank, peer in peers.items()
-        if peer.address is not None and peer.port is not None
-    }
+        if peer.port is not None
+        for address in peer.addresses
+        if address not in own
+    ]
     if not probed:
         return []
     with ThreadPoolExecutor(max_workers=min(32, len(probed))) as pool:
-        verdicts = dict(zip(probed, pool.map(lambda at: _probe(*at), probed.values()), strict=True))
+        answers = list(pool.map(lambda at: _probe(at[1], at[2]), probed))
+    verdicts: dict[int, set[str]] = {}
+    for (rank, _, _), answer in zip(probed, answers, strict=True):
+        verdicts.setdefault(rank, set()).add(answer)
     lost = []
-    for rank in probed:
+    for rank, answers_of_rank in verdicts.items():
         peer = peers[rank]
-        if verdicts[rank] == "exited":
+        if "alive" in answers_of_rank:
+            continue
+        if "exited" in answers_of_rank:
             lost.append(f"worker {rank} on host {peer.host} (pid {peer.pid})")
-        elif verdicts[rank] == "unreachable":
-            lost.append(f"worker {rank} on host {peer.host} ({peer.address}) {UNREACHABLE}")
+        else:
+            tried = ", ".join(address for address in peer.addresses if address not in own)
+            lost.append(f"worker {rank} on host {peer.host} ({tried}) {UNREACHABLE}")
     return lost

@@ -17,7 +17,6 @@ the transport can pipeline them; every wait is bounded by the time-out.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import warnings
 from collections.abc import Sequence
@@ -84,7 +83,6 @@ class TorchEngine(Engine):
                 "engine='torch' needs a torch build with torch.distributed; this one has none"
             )
         super().__init__(timeout)
-        self._probe_socket: socket.socket | None = None
         self._owns_group = not dist.is_initialized()
         self._local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
         if self._owns_group:
@@ -131,10 +129,7 @@ class TorchEngine(Engine):
         """
         store, rank, world_size = next(rendezvous(url, timeout=timeout))
         store.set_timeout(timeout)
-        attempt = "0"
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = PrefixStore(f"pyro_distributed/attempt{attempt}", store)
+        store = PrefixStore(f"pyro_distributed/attempt{_attempt()}", store)
         if world_size > 1:
             choose_gloo_interface(master_addr, port)
             check_peer_addresses(store, rank, world_size)
@@ -153,14 +148,14 @@ class TorchEngine(Engine):
             return "cpu:gloo,cuda:nccl"
         return "gloo"
 
-    def _probe_address(self) -> tuple[str | None, int | None]:
+    def _probe_address(self) -> tuple[tuple[str, ...], int | None]:
         """The address gloo gives its peers, where other hosts can reach it."""
         address = advertised_address().address
         if self._world_size == 1 or address is None or is_loopback(address):
-            return None, None  # one host, or an address only this host can reach
+            return (), None  # one host, or an address only this host can reach
         self._probe_socket = open_probe_socket(address)
         port: int = self._probe_socket.getsockname()[1]
-        return address, port
+        return (address,), port
 
     def _group_for_cpu_tensors(self) -> Any:
         """The group that carries CPU tensors and pickled objects.
@@ -260,9 +255,7 @@ class TorchEngine(Engine):
             )
 
     def shutdown(self) -> None:
-        if self._probe_socket is not None:
-            self._probe_socket.close()
-            self._probe_socket = None
+        self._close_probe_socket()
         if not (self._owns_group and dist.is_initialized()):
             return
         # On a clean exit, tear down together: a gloo group destroyed while a
@@ -275,3 +268,35 @@ class TorchEngine(Engine):
             with suppress(RuntimeError):
                 dist.monitored_barrier(timeout=min(self._timeout, timedelta(seconds=10)))
         dist.destroy_process_group()
+
+
+def _attempt() -> str:
+    """This restart's count where torchrun's agent store outlives a restart, else 0
+    (see :meth:`TorchEngine._join_group`)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return "0"
+
+
+def check_addresses_before_a_group(timeout: timedelta = DEFAULT_TIMEOUT) -> bool:
+    """Under torchrun, check every worker's gloo address through torchrun's own
+    store before a host framework (Lightning) makes the process group itself;
+    return whether the check ran.
+
+    The engine checks before it joins a group of its own (:meth:`TorchEngine._join_group`);
+    a group made elsewhere would otherwise wait in gloo's unbounded connect for
+    a worker that advertised loopback. It runs only where the store is
+    torchrun's agent's (``TORCHELASTIC_USE_AGENT_STORE=True``), which every
+    worker reaches as a client: elsewhere worker 0 serves the store when the
+    group is made, and a second server could not take the port.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return False
+    if any(name not in os.environ for name in TORCHRUN_VARIABLES):
+        return False
+    store, rank, world_size = next(rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(f"pyro_distributed/host_framework/attempt{_attempt()}", store)
+    if world_size > 1:
+        check_peer_addresses(store, rank, world_size)
+    return True

@@ -26,6 +26,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 
 from ..engines import Engine, engine_class
 from ..engines.network import choose_gloo_interface
+from ..engines.torch_distributed import check_addresses_before_a_group
 from ..errors import PyroDistributedError
 
 
@@ -113,6 +114,12 @@ def reach_other_hosts(environment: ClusterEnvironment | None, num_nodes: int) ->
     process-group time-out (30 minutes by default). Decided by ``num_nodes``,
     not ``environment.world_size()``: Lightning's own environment learns the
     world size only in DDP's set-up, after the interface must be chosen.
+
+    Under torchrun, every worker then checks the others' addresses through
+    torchrun's store, as the torch engine does before its own group: a
+    worker that would still advertise loopback (``GLOO_SOCKET_IFNAME=lo`` set
+    by hand) stops every host within the engine's time-out, naming it.
     """
     if environment is not None and num_nodes > 1:
         choose_gloo_interface(environment.main_address, environment.main_port)
+        check_addresses_before_a_group()

@@ -3,6 +3,7 @@ what an engine class says about itself (detection order, who starts the workers)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -16,7 +17,7 @@ import torch
 
 from pyro_distributed.engines import ENGINE_NAMES, Engine, engine_class
 from pyro_distributed.engines.local import LocalEngine
-from pyro_distributed.engines.probes import Peer
+from pyro_distributed.engines.probes import UNREACHABLE, Peer, open_probe_socket, remote_losses
 
 
 def test_an_engine_with_neither_allreduce_is_refused_when_the_class_is_made() -> None:
@@ -63,6 +64,53 @@ def test_lost_workers_names_a_peer_on_this_machine_whose_process_exited() -> Non
     pid = exited_pid()
     engine._peers = [Peer(here, os.getpid()), Peer(here, pid), Peer("elsewhere", pid)]
     assert engine.lost_workers() == [f"worker 1 (pid {pid})"]  # not the one on another machine
+
+
+def _silent_listener(address: str, port: int) -> list[socket.socket]:
+    """A listener on ``address:port`` that never answers a new connection: its
+    accept queue is full, so the kernel drops further SYNs (a host cut off)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((address, port))
+    listener.listen(0)
+    held = [listener]
+    for _ in range(3):
+        filler = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect((address, port))
+        held.append(filler)
+    time.sleep(0.2)
+    return held
+
+
+def test_a_peer_with_several_addresses_is_judged_by_all_that_are_not_this_hosts() -> None:
+    """How the mpi engine's peers are probed: every address a peer published,
+    except those this host holds too (a bridge every host has), all at once.
+    Three loopback addresses stand for a live, a silent and a refusing one."""
+    alive = open_probe_socket("127.0.0.1")
+    port = alive.getsockname()[1]
+    silent = _silent_listener("127.0.0.2", port)
+    peers = {
+        1: Peer("hostA", 11, ("127.0.0.2", "127.0.0.1"), port),  # one address accepts
+        2: Peer("hostB", 12, ("127.0.0.1",), port),
+        3: Peer("hostC", 13, ("127.0.0.2",), port),  # nothing answers
+        4: Peer("hostD", 14, ("127.0.0.2", "127.0.0.3"), port),  # one address refuses
+    }
+    try:
+        assert remote_losses(peers, own=frozenset()) == [
+            f"worker 3 on host hostC (127.0.0.2) {UNREACHABLE}",
+            "worker 4 on host hostD (pid 14)",
+        ]
+        # This host's own addresses are left out: peer 2 is not judged at all,
+        # and peer 1 only by the address that never answers.
+        assert remote_losses(peers, own=frozenset({"127.0.0.1"})) == [
+            f"worker 1 on host hostA (127.0.0.2) {UNREACHABLE}",
+            f"worker 3 on host hostC (127.0.0.2) {UNREACHABLE}",
+            "worker 4 on host hostD (pid 14)",
+        ]
+    finally:
+        for held in [alive, *silent]:
+            held.close()
 
 
 def test_lost_workers_looks_once_without_grace_and_not_at_all_without_peers_here() -> None:

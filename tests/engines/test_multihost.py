@@ -147,6 +147,26 @@ def test_a_worker_that_would_listen_on_loopback_stops_every_host_at_once(tmp_pat
         assert seconds < ENGINE_TIMEOUT
 
 
+def test_lightning_with_workers_on_loopback_stops_every_host_naming_them(tmp_path: Path) -> None:
+    """The same under Lightning, which makes the process group itself: the
+    check runs first, through torchrun's store. Without it, with both hosts on
+    loopback, one host failed to connect and the other was still waiting 90 s
+    later (for Lightning's process-group time-out, 30 minutes). (With one host
+    on loopback, two hosts happen to connect: gloo dials in one direction.)"""
+    out = tmp_path / "hosts"
+    script = [*fit_regression_options(out, devices=1), "--num-nodes", "2"]
+    with NamespaceCluster(2) as cluster:
+        on_loopback = {host: {"GLOO_SOCKET_IFNAME": "lo"} for host in cluster.hosts}
+        started = _torchrun(cluster, out, steps=0, script=script, env=on_loopback)
+        outcomes = _finish(started, within=180)
+    for code, output, seconds in outcomes:
+        assert code != 0
+        for host in ("host0", "host1"):
+            assert f"127.0.0.1 (interface lo) on host {host}" in output, output[-4000:]
+        # Start-up (Lightning's imports on a busy machine) takes most of this.
+        assert seconds < 120, (seconds, output[-4000:])
+
+
 #: The faults strike after this step: by then the exchange has opened its
 #: channel for the overlapped buckets (a process group of its own, made at the
 #: third step), so a fault hits training, not that set-up.
