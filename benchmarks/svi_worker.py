@@ -19,7 +19,8 @@ way torch users train a module: ``pyro.settings.set(module_local_params=True)``
 keeps the parameters inside the modules, ``Trace_ELBO()(model, guide)`` is an
 ``nn.Module`` whose forward returns the loss, and at W>1 it is wrapped in
 ``torch.nn.parallel.DistributedDataParallel`` and stepped by one
-``torch.optim.Adam``. See :func:`ddp_training` for what differs from SVI.
+``torch.optim.Adam``; ``ddp-fp16`` adds DDP's ``fp16_compress_hook``. See
+:func:`module_training` for what differs from SVI.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule
 from pyro.optim import PyroOptim
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import pyro_distributed
 
@@ -90,6 +92,8 @@ OPTIMS = (
     "ours-sparse",
     "pyro-horovod",
     "ddp",
+    # DDP with its fp16 compression hook: the strongest peer on a slow link.
+    "ddp-fp16",
     # Pyro's torch-native loop: the ELBO module and one torch Adam, plain
     # (W=1), through our DistributedOptimizer, and with owned local rows.
     "torch",
@@ -98,7 +102,7 @@ OPTIMS = (
     "torch-ours-sparse",
 )
 #: The configurations that train the ELBO module with a torch optimizer.
-MODULE_OPTIMS = ("ddp", "torch", "torch-ours", "torch-ours-owned", "torch-ours-sparse")
+MODULE_OPTIMS = ("ddp", "ddp-fp16", "torch", "torch-ours", "torch-ours-owned", "torch-ours-sparse")
 
 Model = Callable[..., object]
 
@@ -445,9 +449,10 @@ def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -
 
 def module_training(workload: Workload, optim_name: str) -> Training:
     """The same model and guide as a torch module, trained with a torch Adam:
-    under DDP at W>1 (``ddp``), plain (``torch``), or through our
-    DistributedOptimizer (``torch-ours``, ``torch-ours-owned``, and
-    ``torch-ours-sparse``: owned rows with sparse local steps).
+    under DDP at W>1 (``ddp``; ``ddp-fp16`` with its fp16 compression hook),
+    plain (``torch``), or through our DistributedOptimizer (``torch-ours``,
+    ``torch-ours-owned``, and ``torch-ours-sparse``: owned rows with sparse
+    local steps).
 
     What DDP gets is the ELBO module's ``parameters()``: the guide's (and the
     model's, for large1m and the VAE), the same tensors SVI would find in the
@@ -476,10 +481,13 @@ def module_training(workload: Workload, optim_name: str) -> Training:
         elbo(*workload.args)
     module: nn.Module = elbo
     optimizer: torch.optim.Optimizer = torch.optim.Adam(elbo.parameters(), lr=LEARNING_RATE)
-    if optim_name == "ddp" and pyro_distributed.world_size() > 1:
+    if optim_name.startswith("ddp") and pyro_distributed.world_size() > 1:
         if pyro_distributed.current_engine().name != "torch":
             raise SystemExit("--optim ddp with several workers needs torchrun")
-        module = nn.parallel.DistributedDataParallel(elbo)
+        ddp = nn.parallel.DistributedDataParallel(elbo)
+        if optim_name == "ddp-fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        module = ddp
     elif ours:
         optimizer = pyro_distributed.DistributedTorchOptimizer(optimizer)
 
