@@ -57,10 +57,17 @@ from ..engines import Engine
 from ..errors import PyroDistributedError
 from .layout import broadcast_values_
 
-#: How many floats :func:`digest_floats` makes of a digest.
+#: How many floats :func:`digest_floats` makes of a digest in 8-bit pieces.
 DIGEST_FLOATS = 16
-#: The most workers whose summed digest floats stay exact in float32 (2**24).
+#: The most workers whose summed digest floats, in 8-bit pieces, stay exact in float32.
 MAX_SUMMED_WORKERS = 2**24 // 255**2
+#: The largest integer up to which every integer is exact, per floating-point type.
+EXACT_INTEGERS = {
+    torch.float64: 2**53,
+    torch.float32: 2**24,
+    torch.float16: 2**11,
+    torch.bfloat16: 2**8,
+}
 
 Spec = tuple[tuple[int, ...], str]  # shape, dtype
 # A proposal's key: the names given and the ids of their tensors, in the order given.
@@ -93,6 +100,10 @@ class Proposal:
         """The digest as :func:`digest_floats` (made once per proposal)."""
         return digest_floats(self.digest)
 
+    def floats_in(self, bits: int) -> list[float]:
+        """The digest as :func:`digest_floats` in pieces of ``bits`` bits."""
+        return self.floats if bits == 8 else digest_floats(self.digest, bits)
+
     @cached_property
     def step(self) -> StepParams:
         """The step, should every worker propose the same (made once per proposal)."""
@@ -116,23 +127,41 @@ def _spec(tensor: Tensor) -> Spec:
     return tuple(tensor.shape), str(tensor.dtype)
 
 
-def digest_floats(digest: int) -> list[float]:
+def digest_floats(digest: int, bits: int = 8) -> list[float]:
     """A digest as floats that can travel in a *sum* and still show disagreement.
 
-    Each of its 8 bytes b goes with b**2. Summed over W workers, every byte
-    satisfies W * sum(b**2) == sum(b)**2 exactly when all workers sent the
-    same byte (equality in Cauchy-Schwarz), and every worker computes the
-    same verdict from the same sums. Sums stay exact integers in float32 for
-    up to :data:`MAX_SUMMED_WORKERS` workers.
+    Its 64 bits are cut into pieces of ``bits`` bits (8, 4, 2 or 1), and each
+    piece b goes with b**2. Summed over W workers, every piece satisfies
+    W * sum(b**2) == sum(b)**2 exactly when all workers sent the same piece
+    (equality in Cauchy-Schwarz), and every worker computes the same verdict
+    from the same sums, as long as the sums are exact integers in the type
+    they travel in: smaller pieces for narrower types and more workers
+    (:func:`digest_bits`). In 8-bit pieces, float32 sums stay exact for up to
+    :data:`MAX_SUMMED_WORKERS` workers.
     """
-    chunks = [(digest >> (8 * i)) & 0xFF for i in range(8)]
-    return [float(c) for c in chunks] + [float(c * c) for c in chunks]
+    mask = (1 << bits) - 1
+    pieces = [(digest >> (bits * i)) & mask for i in range(64 // bits)]
+    return [float(c) for c in pieces] + [float(c * c) for c in pieces]
+
+
+def digest_bits(dtype: torch.dtype, world_size: int) -> int | None:
+    """The widest pieces (8, 4, 2 or 1 bits) whose :func:`digest_floats`, and
+    flags of 0 or 1, sum exactly over ``world_size`` workers in ``dtype``;
+    ``None`` for a type without exact small integers, or too many workers."""
+    exact = EXACT_INTEGERS.get(dtype)
+    if exact is None:
+        return None
+    for bits in (8, 4, 2, 1):
+        if ((1 << bits) - 1) ** 2 * world_size <= exact:
+            return bits
+    return None
 
 
 def digests_equal(sums: Sequence[float], world_size: int) -> bool:
-    """Whether every worker's :func:`digest_floats` were equal, from their sums."""
-    half = DIGEST_FLOATS // 2
-    totals = [round(value) for value in sums[:DIGEST_FLOATS]]
+    """Whether every worker's :func:`digest_floats` were equal, from their sums
+    (all of them, in any piece width: the values, then their squares)."""
+    half = len(sums) // 2
+    totals = [round(value) for value in sums]
     return all(
         world_size * square == total * total
         for total, square in zip(totals[:half], totals[half:], strict=True)

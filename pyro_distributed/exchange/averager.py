@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..engines import Engine
+from .agreement import digest_bits
 from .layout import Bucket, plan_buckets
 from .resident import ResidentBuffer
 
@@ -138,7 +139,7 @@ class GradientAverager:
 
     def pack(self, index: int, riders: Sequence[float] = ()) -> Tensor:
         """Bucket ``index`` as one flat tensor (:class:`~.layout.Bucket`), with
-        ``riders`` riding along (see :meth:`sums_exactly`)."""
+        ``riders`` riding along (see :meth:`carrier_digest_bits`)."""
         bucket = self.buckets[index]
         flat = self._pack_resident(index, riders)
         if flat is None:
@@ -163,24 +164,46 @@ class GradientAverager:
             resident = self._resident[index] = ResidentBuffer(bucket, members, len(riders))
         return resident.pack(bucket.flags, bucket.riders_tensor(riders) if riders else None)
 
-    def sums_exactly(self, index: int) -> bool:
-        """Whether bucket ``index`` travels as a plain sum of float32 or float64 values,
-        unscaled and uncompressed, so that small integers among its riders add up exactly."""
-        return (
-            self._reduction.compression is None
-            and self._scales(narrowed=False)[0] == 1.0
-            and self.buckets[index].dtype in (torch.float32, torch.float64)
-        )
+    def carrier_digest_bits(self, index: int) -> int | None:
+        """The pieces (in bits, :func:`~.agreement.digest_bits`) in which the
+        agreement header can ride in bucket ``index``'s sum and still sum
+        exactly, or ``None`` where it cannot.
 
-    def encode(self, flat: Tensor) -> tuple[Tensor, Any]:
-        """Scale (and compress) a packed bucket for the wire, where it is summed."""
+        The riders are written into the wire as they are, after any scaling and
+        compression (:meth:`encode`), and read from the summed wire before it
+        is decoded, so only the wire's type and the number of workers decide:
+        8-bit pieces in float32, 4-bit ones in float16 up to 9 workers, for
+        example. A compressor that changes the shape of what it sends carries
+        no riders.
+        """
+        bucket = self.buckets[index]
+        probe = torch.zeros(2, dtype=bucket.dtype)
+        compression = self._reduction.compression
+        wire = probe if compression is None else compression.compress(probe)[0]
+        if wire.shape != probe.shape:
+            return None
+        return digest_bits(wire.dtype, self._engine.world_size)
+
+    def encode(self, flat: Tensor, riders: Sequence[float] = ()) -> tuple[Tensor, Any]:
+        """Scale (and compress) a packed bucket for the wire, where it is summed.
+
+        ``riders``, packed at the end of ``flat`` (:meth:`pack`), are written
+        into the wire again as they are, where scaling or compression changed
+        them, so that their sum stays exact (:meth:`carrier_digest_bits`).
+        """
         compression = self._reduction.compression
         if compression is None:
             pre, _ = self._scales(narrowed=False)
-            return _scaled(flat, pre), None
-        narrowed = compression.compress(flat[:1])[0].dtype != flat.dtype
-        pre, _ = self._scales(narrowed)
-        return compression.compress(_scaled(flat, pre))
+            if pre == 1.0:
+                return flat, None  # the riders travel as packed
+            wire, context = _scaled(flat, pre), None
+        else:
+            narrowed = compression.compress(flat[:1])[0].dtype != flat.dtype
+            pre, _ = self._scales(narrowed)
+            wire, context = compression.compress(_scaled(flat, pre))
+        if riders:
+            wire[wire.numel() - len(riders) :] = torch.tensor(riders, dtype=wire.dtype)
+        return wire, context
 
     def decode(self, wire: Tensor, context: Any) -> Tensor:
         """The summed wire tensor back as an averaged flat bucket."""

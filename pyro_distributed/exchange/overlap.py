@@ -27,8 +27,12 @@ What keeps this exact, and keeps workers' collectives paired:
 * The last bucket in the order waits for the optimizer call and carries the
   agreement header (:func:`~pyro_distributed.exchange.agreement.digest_floats`) and
   the stale flags in its sum, so a step costs no collective beyond its
-  buckets. Where the sum is not exact (compression, Horovod's pre-division,
-  half-precision parameters), the header travels on its own instead.
+  buckets. The header is written into the wire after any scaling and
+  compression, in pieces small enough that its sum is exact in the wire's
+  type (:meth:`~pyro_distributed.exchange.averager.GradientAverager.carrier_digest_bits`:
+  8-bit pieces in float32, 4-bit ones in float16 up to 9 workers); only
+  where no piece is small enough (a wire type without exact integers, or
+  too many workers for it) does the header travel on its own.
 * If a step's parameters are not the planned ones (new parameters, or
   workers that used different ones), the early results are dropped and the
   step runs unoverlapped.
@@ -54,7 +58,6 @@ from torch.utils.hooks import RemovableHandle
 
 from ..engines import Engine, Pending
 from ..torch_internals import GradStamp, grad_changed_since, grad_stamp
-from .agreement import MAX_SUMMED_WORKERS
 from .averager import GradientAverager
 
 Phase = Literal["idle", "observing", "armed"]
@@ -99,6 +102,7 @@ class BackwardOverlap:
         self._bucket_of: list[int] = []  # parameter index -> bucket index
         self._order: list[int] = []  # the agreed order in which buckets are sent
         self._carrier: int | None = None  # the bucket that carries the header, if any
+        self._digest_bits = 8  # the pieces of the carrier's digest floats
         self._expected: list[int] = []  # accumulations per parameter per step
         self._fires: list[int] = []  # accumulations per parameter so far this step
         self._waiting: list[int] = []  # per bucket: members still short of their expectation
@@ -111,6 +115,11 @@ class BackwardOverlap:
     def armed(self) -> bool:
         """Whether buckets go out during backward (the same on every worker)."""
         return self._phase == "armed"
+
+    @property
+    def digest_bits(self) -> int:
+        """The pieces the carrier's digest floats are cut in (see :meth:`_arm`)."""
+        return self._digest_bits
 
     @property
     def carrier(self) -> int | None:
@@ -164,8 +173,9 @@ class BackwardOverlap:
         self._send(self._carrier, header)
         sent = self._sent[self._carrier]
         sent.wait()
-        # The carrier's sum is exact and unscaled (see _arm): its riders need no
-        # decoding, and its flags serve unpack as they are.
+        # The carrier's riders are summed exactly as written (see _arm): read from
+        # the wire before decoding; its flags (positive where present) serve
+        # unpack as they are.
         sent.tail = self._averager.buckets[self._carrier].tail(sent.wire)
         return self._averager.buckets[self._carrier].riders(sent.tail)
 
@@ -233,8 +243,9 @@ class BackwardOverlap:
         self._engine.broadcast_([order], src=0)
         self._order = order.tolist()
         last = self._order[-1]
-        exact = self._averager.sums_exactly(last) and self._engine.world_size <= MAX_SUMMED_WORKERS
-        self._carrier = last if exact else None
+        bits = self._averager.carrier_digest_bits(last)
+        self._carrier = None if bits is None else last
+        self._digest_bits = bits or 8
         if self._channel is None:
             self._channel = self._engine.open_channel()
         self._phase = "armed"
@@ -286,7 +297,7 @@ class BackwardOverlap:
         # cannot go stale, and needs no stamps.
         members = () if index == self._carrier else self._averager.buckets[index].members
         grads = [grad_stamp(self._params[i]) for i in members]
-        wire, context = self._averager.encode(flat)
+        wire, context = self._averager.encode(flat, riders)
         name = self._averager.bucket_names[index]
         pending = self._channel.allreduce_async_(wire, "sum", name)
         self._sent[index] = _Sent(wire, context, pending, grads)

@@ -12,11 +12,11 @@ same order on every worker:
    (:mod:`.overlap`), and step 1 confirms they held the right tensors.
 
 With overlap, the agreement header travels as riders of the last bucket: the
-digest floats of :func:`~.agreement.digest_floats`, one stale flag per
-bucket, then the flag that some gradient which never travels (a local
-parameter's) is NaN or Inf on that worker; without overlap that flag rides
-in the agreement's header. Either way a step with local parameters costs no
-collective of its own. This module is the only one that knows that order.
+digest floats of :func:`~.agreement.digest_floats` (in pieces the wire sums
+exactly), one stale flag per bucket, then the flag that some gradient which
+never travels (a local parameter's) is NaN or Inf on that worker; without
+overlap that flag rides in the agreement's header. Either way a step with
+local parameters costs no collective of its own. This module is the only one that knows that order.
 
 The exchange knows nothing of Pyro: tensors come with names chosen by the
 front end, and ``catalog`` says which tensors a worker could step, for the
@@ -47,7 +47,6 @@ from torch import Tensor
 
 from ..engines import Engine
 from .agreement import (
-    DIGEST_FLOATS,
     Catalog,
     ParameterAgreement,
     Proposal,
@@ -165,9 +164,10 @@ class GradientSync:
         overlap.send_remaining()
         stale = overlap.stale_flags()
         if overlap.carrier is not None:
-            summed = overlap.send_carrier([*proposal.floats, *stale, flag])
-            unanimous = digests_equal(summed[:DIGEST_FLOATS], self._world_size)
-            resend = [int(value > 0) for value in summed[DIGEST_FLOATS:-1]]
+            digest = proposal.floats_in(overlap.digest_bits)
+            summed = overlap.send_carrier([*digest, *stale, flag])
+            unanimous = digests_equal(summed[: len(digest)], self._world_size)
+            resend = [int(value > 0) for value in summed[len(digest) : -1]]
             raised = summed[-1] > 0
             if unanimous and not proposal.new and _same(proposal.names, overlap.names):
                 return self._agreement.accept(proposal), overlap.finish(resend), raised

@@ -18,6 +18,7 @@ from pyro_distributed.exchange.agreement import (
     DIGEST_FLOATS,
     MAX_SUMMED_WORKERS,
     ParameterAgreement,
+    digest_bits,
     digest_floats,
     digests_equal,
 )
@@ -114,6 +115,40 @@ def test_digest_floats_stay_exact_in_a_float32_sum_up_to_the_documented_worker_c
     # Two pairs of workers that disagree on the lowest byte only.
     mixed = [digest_floats(digest), digest_floats(digest - 1)] * 2
     assert not digests_equal([sum(column) for column in zip(*mixed, strict=True)], 4)
+
+
+def test_digest_pieces_are_as_wide_as_the_wire_type_sums_exactly() -> None:
+    assert digest_bits(torch.float32, 2) == 8
+    assert digest_bits(torch.float32, MAX_SUMMED_WORKERS) == 8
+    assert digest_bits(torch.float32, MAX_SUMMED_WORKERS + 1) == 4
+    assert digest_bits(torch.float16, 2) == 4  # 2 x 15**2 <= 2048 < 2 x 255**2
+    assert digest_bits(torch.float16, 9) == 4
+    assert digest_bits(torch.float16, 10) == 2
+    assert digest_bits(torch.float16, 2048) == 1
+    assert digest_bits(torch.float16, 2049) is None  # even flags of 0 or 1 would not add up
+    assert digest_bits(torch.bfloat16, 2) == 2
+    assert digest_bits(torch.int64, 2) is None
+
+
+@pytest.mark.parametrize(("dtype", "workers"), [(torch.float16, 9), (torch.bfloat16, 28)])
+def test_digest_pieces_summed_in_a_narrow_type_still_show_disagreement(
+    dtype: torch.dtype, workers: int
+) -> None:
+    """Summed one worker at a time in the narrow type, as a wire of that type is."""
+    bits = digest_bits(dtype, workers)
+    assert bits is not None
+
+    def summed(digests: list[int]) -> list[float]:
+        total = torch.zeros(2 * 64 // bits, dtype=dtype)
+        for digest in digests:
+            total = total + torch.tensor(digest_floats(digest, bits), dtype=dtype)
+        return total.tolist()
+
+    largest = 2**64 - 1  # every piece at its largest: the largest sums
+    assert len(digest_floats(largest, bits)) == 2 * 64 // bits
+    assert digests_equal(summed([largest] * workers), workers)
+    assert not digests_equal(summed([largest] * (workers - 1) + [largest - 1]), workers)
+    assert not digests_equal(summed([0x1] * (workers - 1) + [0x2]), workers)
 
 
 def agreement_steps() -> dict[str, object]:
