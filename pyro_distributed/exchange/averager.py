@@ -177,7 +177,7 @@ class GradientAverager:
         no riders.
         """
         bucket = self.buckets[index]
-        probe = torch.zeros(2, dtype=bucket.dtype)
+        probe = torch.zeros(2, dtype=bucket.dtype, device=bucket.device)
         compression = self._reduction.compression
         wire = probe if compression is None else compression.compress(probe)[0]
         if wire.shape != probe.shape:
@@ -202,7 +202,8 @@ class GradientAverager:
             pre, _ = self._scales(narrowed)
             wire, context = compression.compress(_scaled(flat, pre))
         if riders:
-            wire[wire.numel() - len(riders) :] = torch.tensor(riders, dtype=wire.dtype)
+            exact = torch.tensor(riders, dtype=wire.dtype, device=wire.device)
+            wire[wire.numel() - len(riders) :] = exact
         return wire, context
 
     def decode(self, wire: Tensor, context: Any) -> Tensor:
