@@ -50,6 +50,8 @@ from typing import Any
 from bench_svi import RUN_TIMEOUT_S, WORKER, RunFailed, environment, free_port, parse_result
 from suite import PLANS
 
+from pyro_distributed.scaling import CollectiveCost
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
@@ -123,8 +125,6 @@ def median_of(runs: list[dict[str, Any]], key: str) -> float | None:
 
 def summarise(runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]]) -> dict[str, Any]:
     """Medians per rate, workload and configuration; the ratios; the cost model's error."""
-    from pyro_distributed.scaling import CollectiveCost
-
     summary: dict[str, Any] = {}
     for rate, workloads in runs.items():
         for workload, configs in workloads.items():
@@ -179,8 +179,6 @@ def _refit_in_step(workloads: dict[str, Any]) -> None:
     """Per workload, its step predicted by the cost re-fitted in each other
     workload's step at the same rate (``CollectiveCost.in_step``: the latency
     absorbs what a collective costs inside a step, the bandwidth stays fitted)."""
-    from pyro_distributed.scaling import CollectiveCost
-
     models = {
         name: entry["cost_model"] for name, entry in workloads.items() if "cost_model" in entry
     }

@@ -203,12 +203,17 @@ class Engine(abc.ABC):
             lost += remote_losses(remote, frozenset(own_addresses()))
         return lost
 
-    def _diagnosis(self) -> str:
-        """What probably went wrong, for the message of a failed collective."""
-        lost = self.lost_workers(grace=_TEARDOWN_GRACE_S)
+    def _diagnosis(
+        self,
+        grace: float = _TEARDOWN_GRACE_S,
+        otherwise: str = "a worker died, hung or took another path through the code",
+    ) -> str:
+        """What probably went wrong, for the message of a failed collective:
+        the lost workers (looked for during ``grace``), or ``otherwise``."""
+        lost = self.lost_workers(grace=grace)
         if lost:
             return describe_lost(lost)
-        return "a worker died, hung or took another path through the code"
+        return otherwise
 
     @contextmanager
     def _collective(self, what: str) -> Iterator[None]:

@@ -237,17 +237,12 @@ class MPIEngine(Engine):
                         self._fail(what, describe_lost(lost))
                     next_look = now + _LIVENESS_INTERVAL
                 if now >= deadline:
-                    lost = self.lost_workers(grace=_LIVENESS_INTERVAL)
-                    self._fail(
-                        what,
-                        f"no answer within the time-out ({waited:.1f} s): "
-                        + (
-                            describe_lost(lost)
-                            if lost
-                            else "a worker hung, died on another machine or took another "
-                            "path through the code"
-                        ),
+                    reason = self._diagnosis(
+                        _LIVENESS_INTERVAL,
+                        "a worker hung, died on another machine or took another path "
+                        "through the code",
                     )
+                    self._fail(what, f"no answer within the time-out ({waited:.1f} s): {reason}")
                 if waited >= _YIELD_S:
                     time.sleep(_SLEEP_S)
                 elif waited >= _SPIN_S:

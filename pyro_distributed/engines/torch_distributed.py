@@ -127,9 +127,7 @@ class TorchEngine(Engine):
         checks that no worker would advertise a loopback address to another
         host (:mod:`.network`): gloo's own connect would wait unbounded.
         """
-        store, rank, world_size = next(rendezvous(url, timeout=timeout))
-        store.set_timeout(timeout)
-        store = PrefixStore(f"pyro_distributed/attempt{_attempt()}", store)
+        store, rank, world_size = _store_of_this_attempt(url, timeout, "pyro_distributed")
         if world_size > 1:
             choose_gloo_interface(master_addr, port)
             check_peer_addresses(store, rank, world_size)
@@ -270,18 +268,22 @@ class TorchEngine(Engine):
         dist.destroy_process_group()
 
 
-def _attempt() -> str:
-    """This restart's count where torchrun's agent store outlives a restart, else 0
-    (see :meth:`TorchEngine._join_group`)."""
+def _store_of_this_attempt(url: str, timeout: timedelta, prefix: str) -> tuple[Any, int, int]:
+    """The rendezvous store at ``url``, bounded by ``timeout``, with keys under
+    ``prefix`` and this restart's count where torchrun's agent store outlives a
+    restart (see :meth:`TorchEngine._join_group`); this worker's rank and the
+    world size."""
+    store, rank, world_size = next(rendezvous(url, timeout=timeout))
+    store.set_timeout(timeout)
+    attempt = "0"
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return "0"
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return PrefixStore(f"{prefix}/attempt{attempt}", store), rank, world_size
 
 
-def check_addresses_before_a_group(timeout: timedelta = DEFAULT_TIMEOUT) -> bool:
+def check_addresses_before_a_group(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     """Under torchrun, check every worker's gloo address through torchrun's own
-    store before a host framework (Lightning) makes the process group itself;
-    return whether the check ran.
+    store before a host framework (Lightning) makes the process group itself.
 
     The engine checks before it joins a group of its own (:meth:`TorchEngine._join_group`);
     a group made elsewhere would otherwise wait in gloo's unbounded connect for
@@ -291,12 +293,10 @@ def check_addresses_before_a_group(timeout: timedelta = DEFAULT_TIMEOUT) -> bool
     group is made, and a second server could not take the port.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return False
+        return
     if any(name not in os.environ for name in TORCHRUN_VARIABLES):
-        return False
-    store, rank, world_size = next(rendezvous("env://", timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(f"pyro_distributed/host_framework/attempt{_attempt()}", store)
+        return
+    prefix = "pyro_distributed/host_framework"
+    store, rank, world_size = _store_of_this_attempt("env://", timeout, prefix)
     if world_size > 1:
         check_peer_addresses(store, rank, world_size)
-    return True

@@ -169,9 +169,9 @@ class GradientAverager:
         agreement header can ride in bucket ``index``'s sum and still sum
         exactly, or ``None`` where it cannot.
 
-        The riders are written into the wire as they are, after any scaling and
-        compression (:meth:`encode`), and read from the summed wire before it
-        is decoded, so only the wire's type and the number of workers decide:
+        The riders are left out of any scaling (:meth:`encode`), cast with the
+        bucket, and read from the summed wire before it is decoded, so only the
+        wire's type and the number of workers decide:
         8-bit pieces in float32, 4-bit ones in float16 up to 9 workers, for
         example. A compressor that changes the shape of what it sends carries
         no riders.
@@ -187,24 +187,17 @@ class GradientAverager:
     def encode(self, flat: Tensor, riders: Sequence[float] = ()) -> tuple[Tensor, Any]:
         """Scale (and compress) a packed bucket for the wire, where it is summed.
 
-        ``riders``, packed at the end of ``flat`` (:meth:`pack`), are written
-        into the wire again as they are, where scaling or compression changed
-        them, so that their sum stays exact (:meth:`carrier_digest_bits`).
+        ``riders``, the last values of ``flat`` (:meth:`pack`), are left out of
+        the scaling: small integers, which a cast to the wire's type keeps
+        exact, so that their sum stays exact (:meth:`carrier_digest_bits`).
         """
         compression = self._reduction.compression
+        narrowed = compression is not None and compression.compress(flat[:1])[0].dtype != flat.dtype
+        pre, _ = self._scales(narrowed)
+        _scaled(flat[: flat.numel() - len(riders)] if riders else flat, pre)
         if compression is None:
-            pre, _ = self._scales(narrowed=False)
-            if pre == 1.0:
-                return flat, None  # the riders travel as packed
-            wire, context = _scaled(flat, pre), None
-        else:
-            narrowed = compression.compress(flat[:1])[0].dtype != flat.dtype
-            pre, _ = self._scales(narrowed)
-            wire, context = compression.compress(_scaled(flat, pre))
-        if riders:
-            exact = torch.tensor(riders, dtype=wire.dtype, device=wire.device)
-            wire[wire.numel() - len(riders) :] = exact
-        return wire, context
+            return flat, None
+        return compression.compress(flat)
 
     def decode(self, wire: Tensor, context: Any) -> Tensor:
         """The summed wire tensor back as an averaged flat bucket."""

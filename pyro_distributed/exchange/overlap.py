@@ -27,8 +27,8 @@ What keeps this exact, and keeps workers' collectives paired:
 * The last bucket in the order waits for the optimizer call and carries the
   agreement header (:func:`~pyro_distributed.exchange.agreement.digest_floats`) and
   the stale flags in its sum, so a step costs no collective beyond its
-  buckets. The header is written into the wire after any scaling and
-  compression, in pieces small enough that its sum is exact in the wire's
+  buckets. The header is left out of any scaling and cast with the bucket,
+  in pieces small enough that its sum is exact in the wire's
   type (:meth:`~pyro_distributed.exchange.averager.GradientAverager.carrier_digest_bits`:
   8-bit pieces in float32, 4-bit ones in float16 up to 9 workers); only
   where no piece is small enough (a wire type without exact integers, or
