@@ -7,8 +7,13 @@ soon as all of its members are, while backward computes the rest.
 
 What keeps this exact, and keeps workers' collectives paired:
 
-* The buckets are the averager's own: same members, same bytes on the wire,
-  so an overlapped step is bitwise equal to an unoverlapped one.
+* The buckets are the averager's own: same members, same gradient bytes on
+  the wire, so an overlapped step is bitwise equal to an unoverlapped one at
+  two workers. The last bucket also carries the header (below), which makes
+  it longer; from three workers on, a ring all-reduce (gloo's) that cuts a
+  buffer into chunks by its length may then add some elements in another
+  order, so the averages can differ from an unoverlapped step's in the last
+  bits (identically on every worker: the workers stay bitwise in sync).
 * Buckets start in one fixed order, the same on every worker (worker 0's
   observed order of readiness, agreed once): a bucket is sent only after the
   buckets before it. Every worker sends all of them each step, during
