@@ -19,12 +19,13 @@ the same way).
 from .agreement import Catalog
 from .averager import Compressor, Reduction
 from .compression import Compression, compressor
-from .sync import Exchanged, GradientSync
+from .sync import Exchanged, ExchangePlan, GradientSync
 
 __all__ = [
     "Catalog",
     "Compression",
     "Compressor",
+    "ExchangePlan",
     "Exchanged",
     "GradientSync",
     "Reduction",

@@ -27,18 +27,11 @@ them reach the same verdict from the same data:
 New parameters (first seen, or re-created with the same name) then take worker
 0's values, so lazily initialised guides start identical everywhere.
 
-The steady state costs no naming work: a proposal is remembered with its key,
-the names and the object ids of the tensors given, in the order given (one
-pass, compared at once). A step that gives the same tensors under the same
-names, with nothing synchronised since, gets the remembered proposal (sorted
-names, digest, header floats) and, once every worker is known to agree, the
-remembered step. The proposal holds its tensors, so their ids cannot be
-reused by other tensors while it is remembered. The front ends go one
-better: while their tensors are unchanged they hand over the very mapping
-they handed last step (``DataParallelStep.exchange``), never changed since,
-and that is recognised by identity, with no pass at all. The digest still travels at
-every step, so a worker whose tensors changed is caught at the step it
-changed them.
+A proposal is made once per set of tensors: the step's plan keeps it
+(:class:`~.sync.ExchangePlan`, made again by the plan's owner only when the
+tensors change), so the steady state costs no naming, sorting or hashing
+here. The digest still travels at every step, so a worker whose tensors
+changed is caught at the step it changed them.
 """
 
 from __future__ import annotations
@@ -70,8 +63,6 @@ EXACT_INTEGERS = {
 }
 
 Spec = tuple[tuple[int, ...], str]  # shape, dtype
-# A proposal's key: the names given and the ids of their tensors, in the order given.
-_Key = tuple[tuple[str, ...], tuple[int, ...]]
 #: Every tensor a worker could step, by name (see :meth:`ParameterAgreement.settle`).
 Catalog = Callable[[], Mapping[str, Tensor]]
 
@@ -178,36 +169,24 @@ class ParameterAgreement:
         self._catalog_name = catalog_name
         # name -> the unconstrained tensor that was synchronised under that name
         self._synced: dict[str, Tensor] = {}
-        # The last proposal, its key and the mapping it was made from (see the
-        # module docstring); dropped whenever _synced changes, since what is
-        # new depends on it.
-        self._last: tuple[_Key, Mapping[str, Tensor], Proposal] | None = None
 
     def forget(self) -> None:
         """Treat every parameter as new again (after a checkpoint was loaded)."""
         self._synced.clear()
-        self._last = None
 
     def propose(self, given: Mapping[str, Tensor]) -> Proposal:
         """This worker's view of the step, before any communication.
 
         :param given: the tensors this worker steps, by the names that every
-            worker knows them by (param-store names, module paths, ...). A
-            mapping handed over again must not have changed in between.
+            worker knows them by (param-store names, module paths, ...).
+
+        A proposal with new tensors is out of date once :meth:`settle` has
+        synchronised them: propose again (nothing is new then).
         """
-        last = self._last
-        if last is not None and last[1] is given:
-            return last[2]  # the mapping handed over last step, never changed since
-        key = (tuple(given), tuple(map(id, given.values())))
-        if last is not None and last[0] == key:
-            self._last = (key, given, last[2])
-            return last[2]
         names = sorted(given)
         new = [name for name in names if self._synced.get(name) is not given[name]]
         digest = digest_int((names, [(name, _spec(given[name])) for name in new]))
-        proposal = Proposal(tuple(names), dict(given), tuple(new), digest)
-        self._last = (key, given, proposal)
-        return proposal
+        return Proposal(tuple(names), dict(given), tuple(new), digest)
 
     def accept(self, proposal: Proposal) -> StepParams:
         """The step, when every worker is known to have proposed it and nothing is new."""
@@ -242,7 +221,6 @@ class ParameterAgreement:
         if new:
             broadcast_values_(self._engine, [given[name] for name in new], self._cap_bytes)
             self._synced.update((name, given[name]) for name in new)
-            self._last = None
         step = StepParams(tuple(names), tuple(given[name] for name in names), borrowed)
         return Settlement(step, unanimous and not new, summed)
 

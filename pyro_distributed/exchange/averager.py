@@ -66,6 +66,25 @@ class Reduction:
     groups: int | Sequence[Sequence[Tensor]] | None = field(default=None)
 
 
+@dataclass(eq=False)
+class BucketPlan:
+    """The buckets of one list of parameters, and what each keeps from step to step.
+
+    Made by :meth:`GradientAverager.plan` and kept by its caller (the step's
+    plan, :class:`~.sync.ExchangePlan`) for as long as the parameters are the
+    same; a new list of parameters gets a new one.
+    """
+
+    #: The parameters' names and the parameters, in the order planned.
+    names: tuple[str, ...]
+    params: tuple[Tensor, ...]
+    buckets: list[Bucket]
+    #: One collective name per bucket (Horovod pairs collectives by name).
+    bucket_names: list[str]
+    #: Per bucket, its buffer kept from step to step (made at its first pack).
+    resident: list[ResidentBuffer | None]
+
+
 def _group_of(
     params: Sequence[Tensor], groups: int | Sequence[Sequence[Tensor]] | None
 ) -> list[int]:
@@ -108,43 +127,31 @@ class GradientAverager:
         self._local_sq: dict[int, Tensor] = {}
         self._summed_sq: dict[int, Tensor] = {}
         self._average_sq: dict[int, Tensor] = {}
-        self._plan_key: tuple[int, ...] = ()
-        self.buckets: list[Bucket] = []
-        # Per bucket, its buffer kept from step to step (made at its first pack).
-        self._resident: list[ResidentBuffer | None] = []
-        #: One collective name per bucket (Horovod pairs collectives by name).
-        self.bucket_names: list[str] = []
-        self._params: Sequence[Tensor] = ()
+        # The buckets the norms above were measured in (the last ones packed).
+        self._measured: BucketPlan | None = None
 
-    def plan(self, names: Sequence[str], params: Sequence[Tensor]) -> list[Bucket]:
-        """Plan (or reuse) the buckets for these parameters, in this order."""
-        if params is self._params:  # the steady state hands over the same tuple
-            return self.buckets
-        key = tuple(id(p) for p in params)
-        if key != self._plan_key:
-            group_of = _group_of(params, self._reduction.groups)
-            norm_slot = self.measure_norms and self._reduction.compression is None
-            self.buckets = plan_buckets(params, self._cap_bytes, group_of, norm_slot)
-            # Collective names (Horovod matches on them) come from the tensors' names.
-            self.bucket_names = [
-                f"pyro_distributed.grad.{names[b.members[0]]}+{len(b.members) - 1}"
-                for b in self.buckets
-            ]
-            self._resident = [None] * len(self.buckets)
-            self._plan_key = key
-        # Kept as given (the step's tuple, the same object from step to step),
-        # so that the identity test above answers the steady state at once.
-        self._params = params if isinstance(params, tuple) else tuple(params)
-        return self.buckets
+    def plan(self, names: Sequence[str], params: Sequence[Tensor]) -> BucketPlan:
+        """The buckets for these parameters, in this order (a new plan; the
+        caller keeps it for as long as the parameters stay the same)."""
+        params = tuple(params)
+        group_of = _group_of(params, self._reduction.groups)
+        norm_slot = self.measure_norms and self._reduction.compression is None
+        buckets = plan_buckets(params, self._cap_bytes, group_of, norm_slot)
+        # Collective names (Horovod matches on them) come from the tensors' names.
+        bucket_names = [
+            f"pyro_distributed.grad.{names[b.members[0]]}+{len(b.members) - 1}" for b in buckets
+        ]
+        return BucketPlan(tuple(names), params, buckets, bucket_names, [None] * len(buckets))
 
-    def pack(self, index: int, riders: Sequence[float] = ()) -> Tensor:
-        """Bucket ``index`` as one flat tensor (:class:`~.layout.Bucket`), with
-        ``riders`` riding along (see :meth:`carrier_digest_bits`)."""
-        bucket = self.buckets[index]
-        flat = self._pack_resident(index, riders)
+    def pack(self, plan: BucketPlan, index: int, riders: Sequence[float] = ()) -> Tensor:
+        """Bucket ``index`` of ``plan`` as one flat tensor (:class:`~.layout.Bucket`),
+        with ``riders`` riding along (see :meth:`carrier_digest_bits`)."""
+        bucket = plan.buckets[index]
+        flat = self._pack_resident(plan, index, riders)
         if flat is None:
-            flat = bucket.pack(self._params, riders)
+            flat = bucket.pack(plan.params, riders)
         if self.measure_norms:
+            self._measured = plan
             body = bucket.gradients(flat)
             if bucket.norm_slot:
                 bucket.set_norm(flat, torch.dot(body, body))
@@ -152,22 +159,24 @@ class GradientAverager:
                 self._local_sq[index] = torch.dot(body, body).double()
         return flat
 
-    def _pack_resident(self, index: int, riders: Sequence[float]) -> Tensor | None:
+    def _pack_resident(
+        self, plan: BucketPlan, index: int, riders: Sequence[float]
+    ) -> Tensor | None:
         """Bucket ``index`` packed into its resident buffer (:mod:`.resident`), or
         ``None``. Only without compression: a compressed sum comes back as a new
         tensor, whose own views the gradients must take."""
         if self._reduction.compression is not None:
             return None
-        bucket, resident = self.buckets[index], self._resident[index]
+        bucket, resident = plan.buckets[index], plan.resident[index]
         if resident is None or resident.riders != len(riders):
-            members = [self._params[i] for i in bucket.members]
-            resident = self._resident[index] = ResidentBuffer(bucket, members, len(riders))
+            members = [plan.params[i] for i in bucket.members]
+            resident = plan.resident[index] = ResidentBuffer(bucket, members, len(riders))
         return resident.pack(bucket.flags, bucket.riders_tensor(riders) if riders else None)
 
-    def carrier_digest_bits(self, index: int) -> int | None:
+    def carrier_digest_bits(self, bucket: Bucket) -> int | None:
         """The pieces (in bits, :func:`~.agreement.digest_bits`) in which the
-        agreement header can ride in bucket ``index``'s sum and still sum
-        exactly, or ``None`` where it cannot.
+        agreement header can ride in ``bucket``'s sum and still sum exactly,
+        or ``None`` where it cannot.
 
         The riders are left out of any scaling (:meth:`encode`), cast with the
         bucket, and read from the summed wire before it is decoded, so only the
@@ -176,7 +185,6 @@ class GradientAverager:
         example. A compressor that changes the shape of what it sends carries
         no riders.
         """
-        bucket = self.buckets[index]
         probe = torch.zeros(2, dtype=bucket.dtype, device=bucket.device)
         compression = self._reduction.compression
         wire = probe if compression is None else compression.compress(probe)[0]
@@ -221,27 +229,29 @@ class GradientAverager:
         averaged = self.decode(wire, context)
         return averaged if averaged is tensor else tensor.copy_(averaged)
 
-    def unpack(self, index: int, flat: Tensor, tail: Sequence[float] | None = None) -> bool:
+    def unpack(
+        self, plan: BucketPlan, index: int, flat: Tensor, tail: Sequence[float] | None = None
+    ) -> bool:
         """Point each member's ``.grad`` into the averaged ``flat``; return whether it is finite.
 
         :param tail: the bucket's :meth:`~.layout.Bucket.tail`, when the caller
             has already read it (the flags only need to be positive, so the
             tail of the summed wire, before decoding, serves as well).
         """
-        bucket = self.buckets[index]
+        bucket = plan.buckets[index]
         body = bucket.gradients(flat)
         if self.measure_norms:
             self._average_sq[index] = torch.dot(body, body).double()
             if bucket.norm_slot:
                 self._summed_sq[index] = bucket.norm(flat).double()
         present = bucket.present(bucket.tail(flat) if tail is None else tail)
-        resident = self._resident[index]
+        resident = plan.resident[index]
         views: Sequence[Tensor]
         if resident is not None and flat is resident.buffer:
             views = resident.views
         else:
-            views = bucket.views(flat, self._params)
-        params = self._params
+            views = bucket.views(flat, plan.params)
+        params = plan.params
         if all(present):
             for member, view in zip(bucket.members, views, strict=True):
                 params[member].grad = view
@@ -259,11 +269,12 @@ class GradientAverager:
         A collective when a bucket could not carry its norm (then on every worker
         alike, since compression and dtypes are the same everywhere).
         """
-        indices = range(len(self.buckets))
+        buckets = self._measured.buckets if self._measured is not None else []
+        indices = range(len(buckets))
         # Decoded bucket sums are means over workers, or sums with op="sum".
-        carried = sum((self._summed_sq[i] for i in indices if self.buckets[i].norm_slot), 0.0)
+        carried = sum((self._summed_sq[i] for i in indices if buckets[i].norm_slot), 0.0)
         small = carried / self._to_mean()
-        kept = [self._local_sq[i] for i in indices if not self.buckets[i].norm_slot]
+        kept = [self._local_sq[i] for i in indices if not buckets[i].norm_slot]
         if kept:
             local = torch.stack(kept).sum().reshape(1)
             self._engine.allreduce_([local], op="sum")
@@ -286,19 +297,20 @@ class GradientAverager:
         predivide = world_size if narrowed else self._reduction.predivide
         return 1.0 / predivide, predivide / world_size
 
-    def average_(self, names: Sequence[str], params: Sequence[Tensor]) -> bool:
-        """Average in place, all buckets at once; return whether every average is finite.
+    def average_(self, plan: BucketPlan) -> bool:
+        """Average the gradients of ``plan``'s parameters in place, all buckets at
+        once; return whether every average is finite.
 
         A NaN or Inf on any worker reaches the average, so every worker
         returns the same answer.
         """
-        if not params:
+        if not plan.params:
             return True
-        indices = range(len(self.plan(names, params)))
-        wires, contexts = zip(*(self.encode(self.pack(i)) for i in indices), strict=True)
-        self._engine.allreduce_(list(wires), op="sum", names=self.bucket_names)
+        indices = range(len(plan.buckets))
+        wires, contexts = zip(*(self.encode(self.pack(plan, i)) for i in indices), strict=True)
+        self._engine.allreduce_(list(wires), op="sum", names=plan.bucket_names)
         flats = [self.decode(w, c) for w, c in zip(wires, contexts, strict=True)]
-        return all([self.unpack(i, flat) for i, flat in zip(indices, flats, strict=True)])
+        return all([self.unpack(plan, i, flat) for i, flat in zip(indices, flats, strict=True)])
 
 
 def _all_finite(flat: Tensor) -> bool:

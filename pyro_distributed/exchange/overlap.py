@@ -63,7 +63,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..engines import Engine, Pending
 from ..torch_internals import GradStamp, grad_changed_since, grad_stamp
-from .averager import GradientAverager
+from .averager import BucketPlan, GradientAverager
 
 Phase = Literal["idle", "observing", "armed"]
 
@@ -99,8 +99,8 @@ class BackwardOverlap:
         self._averager = averager
         self._channel: Engine | None = None
         self._phase: Phase = "idle"
-        self._names: tuple[str, ...] = ()
-        self._params: tuple[Tensor, ...] = ()
+        # The buckets the hooks send (the step plan's; see after_step).
+        self._plan = _NO_PLAN
         self._hooks: list[RemovableHandle] = []
         # Hooks outlive this object on the parameters; remove them with it.
         weakref.finalize(self, _remove, self._hooks)
@@ -131,33 +131,24 @@ class BackwardOverlap:
         """The bucket that carries the agreement header, or ``None`` if it travels alone."""
         return self._carrier
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The parameters the hooks watch, sorted by param-store name."""
-        return self._names
+    def sends(self, plan: BucketPlan) -> bool:
+        """Whether the hooks send the buckets of ``plan`` (and no other)."""
+        return plan is self._plan
 
     def reset(self) -> None:
         """Remove the hooks and forget the plan (after a checkpoint was loaded)."""
         self._drain()
         _remove(self._hooks)
-        self._phase, self._names, self._params = "idle", (), ()
+        self._phase, self._plan = "idle", _NO_PLAN
         self._expected, self._fires, self._sizes = [], [], []
 
-    def after_step(self, names: tuple[str, ...], params: tuple[Tensor, ...]) -> None:
-        """Prepare the next step; called on every worker after every step, with its parameters."""
-        # The steady state hands over the very same tuples: no comparison needed.
-        same = names is self._names and params is self._params
-        if not same:
-            if names != self._names or any(
-                a is not b for a, b in zip(params, self._params, strict=True)
-            ):
-                self._install(names, params)
-                self._new_step()
-                return
-            # Equal, in new tuples (a new proposal after a parameter was
-            # synchronised): keep these, so that the next step is "same" at once.
-            self._names, self._params = names, params
-        if self._phase == "observing":
+    def after_step(self, plan: BucketPlan) -> None:
+        """Prepare the next step; called on every worker after every step, with
+        the buckets it used. The steady state hands over the same plan, and the
+        hooks stay; any other plan gets hooks of its own."""
+        if plan is not self._plan:
+            self._install(plan)
+        elif self._phase == "observing":
             self._arm()
         self._new_step()
 
@@ -169,7 +160,7 @@ class BackwardOverlap:
 
     def stale_flags(self) -> list[int]:
         """Per bucket, 1 if a member's gradient changed after the bucket was sent."""
-        return [int(self._is_stale(index)) for index in range(len(self._averager.buckets))]
+        return [int(self._is_stale(index)) for index in range(len(self._plan.buckets))]
 
     def send_carrier(self, header: Sequence[float]) -> list[float]:
         """Send the carrier with ``header`` riding along; return the header summed
@@ -181,16 +172,18 @@ class BackwardOverlap:
         # The carrier's riders are summed exactly as written (see _arm): read from
         # the wire before decoding; its flags (positive where present) serve
         # unpack as they are.
-        sent.tail = self._averager.buckets[self._carrier].tail(sent.wire)
-        return self._averager.buckets[self._carrier].riders(sent.tail)
+        carrier = self._plan.buckets[self._carrier]
+        sent.tail = carrier.tail(sent.wire)
+        return carrier.riders(sent.tail)
 
     def _is_stale(self, index: int) -> bool:
         if index == self._carrier:
             return False  # packed at the call, after every backward pass
-        members = self._averager.buckets[index].members
+        members = self._plan.buckets[index].members
         sent = self._sent[index]
+        params = self._plan.params
         return any(
-            grad_changed_since(self._params[member], stamp)
+            grad_changed_since(params[member], stamp)
             for member, stamp in zip(members, sent.grads, strict=True)
         )
 
@@ -203,11 +196,11 @@ class BackwardOverlap:
         for index in again:
             self._send(index)
         finite = True
-        for index in range(len(self._averager.buckets)):
+        for index in range(len(self._plan.buckets)):
             sent = self._sent[index]
             sent.wait()
             flat = self._averager.decode(sent.wire, sent.context)
-            finite &= self._averager.unpack(index, flat, sent.tail)
+            finite &= self._averager.unpack(self._plan, index, flat, sent.tail)
         self._sent.clear()
         return finite
 
@@ -220,10 +213,10 @@ class BackwardOverlap:
             sent.wait()
         self._sent.clear()
 
-    def _install(self, names: tuple[str, ...], params: tuple[Tensor, ...]) -> None:
+    def _install(self, plan: BucketPlan) -> None:
         _remove(self._hooks)
-        buckets = self._averager.plan(names, params)
-        self._names, self._params = names, params
+        buckets, params = plan.buckets, plan.params
+        self._plan = plan
         self._sizes = [len(bucket.members) for bucket in buckets]
         self._bucket_of = [0] * len(params)
         for index, bucket in enumerate(buckets):
@@ -241,14 +234,14 @@ class BackwardOverlap:
 
     def _arm(self) -> None:
         """Adopt worker 0's order of readiness; a collective, made by every worker at once."""
-        count = len(self._averager.buckets)
+        count = len(self._plan.buckets)
         unseen = [index for index in range(count) if index not in self._observed]
         # cpu: read back
         order = torch.tensor(self._observed + unseen, dtype=torch.int64, device="cpu")
         self._engine.broadcast_([order], src=0)
         self._order = order.tolist()
         last = self._order[-1]
-        bits = self._averager.carrier_digest_bits(last)
+        bits = self._averager.carrier_digest_bits(self._plan.buckets[last])
         self._carrier = None if bits is None else last
         self._digest_bits = bits or 8
         if self._channel is None:
@@ -267,7 +260,7 @@ class BackwardOverlap:
         if self._fires != self._expected:
             # A parameter that got no gradient this step keeps its old expectation.
             self._expected = [f or e for f, e in zip(self._fires, self._expected, strict=True)]
-        self._fires = [0] * len(self._params)
+        self._fires = [0] * len(self._plan.params)
         self._waiting = self._sizes.copy()
         self._observed = []
 
@@ -297,15 +290,20 @@ class BackwardOverlap:
         assert self._channel is not None
         # No torch.no_grad() needed: pack returns a detached tensor, and
         # everything after works on it.
-        flat = self._averager.pack(index, riders)
+        plan = self._plan
+        flat = self._averager.pack(plan, index, riders)
         # The carrier is packed at the call, after every backward pass: it
         # cannot go stale, and needs no stamps.
-        members = () if index == self._carrier else self._averager.buckets[index].members
-        grads = [grad_stamp(self._params[i]) for i in members]
+        members = () if index == self._carrier else plan.buckets[index].members
+        grads = [grad_stamp(plan.params[i]) for i in members]
         wire, context = self._averager.encode(flat, riders)
-        name = self._averager.bucket_names[index]
+        name = plan.bucket_names[index]
         pending = self._channel.allreduce_async_(wire, "sum", name)
         self._sent[index] = _Sent(wire, context, pending, grads)
+
+
+#: The plan of an overlap that watches nothing (before the first step, after a reset).
+_NO_PLAN = BucketPlan((), (), [], [], [])
 
 
 def _hook(owner: weakref.ref[BackwardOverlap], index: int) -> Callable[[Tensor], None]:

@@ -22,14 +22,14 @@ The exchange knows nothing of Pyro: tensors come with names chosen by the
 front end, and ``catalog`` says which tensors a worker could step, for the
 rare step in which workers proposed different ones.
 
-The steady state runs a fixed plan. Once a step gives the same tensors under
-the same names as the last one (one pass builds the key, names and object
-ids, and one comparison checks it), the agreement hands back the same
-proposal and the same step tuples, the averager and the overlap see those
-tuples by identity and keep their buckets and hooks, and nothing is renamed,
-sorted, hashed or planned again; a bucket is packed by one flatten in C++.
-The digest still rides in every header, so a worker whose tensors changed
-is caught at that very step, and every worker re-plans together. Each
+The steady state runs a fixed plan. :meth:`GradientSync.plan` makes an
+:class:`ExchangePlan` for a set of tensors (this worker's proposal), and its
+owner (the step's plan, :mod:`pyro_distributed.optim.plan`) hands the same
+one over at every step while its tensors stay the same: nothing is renamed,
+sorted, hashed or planned again, the plan keeps its buckets and the overlap
+its hooks; a bucket is packed by one flatten in C++. The digest still rides
+in every header, so a worker whose tensors changed is caught at that very
+step, and every worker re-plans together. Each
 bucket keeps its buffer from step to step, with one view per member made
 once (:mod:`.resident`, as DDP's ``gradient_as_bucket_view``): a step copies
 the gradients in with one call, and points each ``.grad`` at the view it had
@@ -53,8 +53,41 @@ from .agreement import (
     StepParams,
     digests_equal,
 )
-from .averager import GradientAverager, Reduction
+from .averager import BucketPlan, GradientAverager, Reduction
 from .overlap import BackwardOverlap
+
+
+class ExchangePlan:
+    """The exchange's part of a step's plan, for one set of tensors.
+
+    Made by :meth:`GradientSync.plan`. Its owner keeps it while its tensors
+    stay the same, hands it to every :meth:`GradientSync.exchange`, and
+    drops it (making a new one) when they change; only the exchange changes
+    what it holds:
+
+    * ``proposal``: this worker's proposal, made again once its new tensors
+      have been synchronised (then nothing is new);
+    * ``step`` and ``buckets``: the step last agreed on and its buckets (with
+      their resident buffers), planned again only when the agreed tensors
+      differ from the last step's (workers that disagree, a borrowed tensor);
+      a new plan of the tensors of the last step starts from its buckets.
+
+    The owner may not change ``given``. A plan made before
+    :meth:`GradientSync.forget` is made again at its next exchange.
+    """
+
+    def __init__(self, given: Mapping[str, Tensor], proposal: Proposal, era: int) -> None:
+        self.given = given
+        self.proposal = proposal
+        self.step: StepParams | None = None
+        self.buckets: BucketPlan | None = None
+        #: How many times the exchange had forgotten every tensor when this was made.
+        self.era = era
+
+    def renew(self, proposal: Proposal, era: int) -> None:
+        """Start again from ``proposal`` (the exchange forgot every tensor)."""
+        self.proposal, self.era = proposal, era
+        self.step, self.buckets = None, None
 
 
 @dataclass(frozen=True)
@@ -106,6 +139,8 @@ class GradientSync:
         self._agreement = ParameterAgreement(engine, cap_bytes, catalog_name)
         self._averager = GradientAverager(engine, cap_bytes, reduction, measure_norms)
         self._overlap = BackwardOverlap(engine, self._averager) if overlap else None
+        self._last_buckets: BucketPlan | None = None
+        self._era = 0  # how many times forget() was called
 
     @property
     def overlaps(self) -> bool:
@@ -120,14 +155,20 @@ class GradientSync:
     @property
     def bucket_count(self) -> int:
         """How many buckets the last exchange used."""
-        return len(self._averager.buckets)
+        return 0 if self._last_buckets is None else len(self._last_buckets.buckets)
+
+    def plan(self, given: Mapping[str, Tensor]) -> ExchangePlan:
+        """The plan for exchanging ``given`` (the tensors this worker steps, by
+        shared name), to hand to :meth:`exchange` at every step while they
+        stay the same. No communication."""
+        return ExchangePlan(given, self._agreement.propose(given), self._era)
 
     def exchange(
-        self, given: Mapping[str, Tensor], catalog: Catalog, *, nonfinite_here: bool = False
+        self, plan: ExchangePlan, catalog: Catalog, *, nonfinite_here: bool = False
     ) -> Exchanged:
-        """Average the gradients of ``given`` (a collective: every worker calls it).
+        """Average the gradients of ``plan``'s tensors (a collective: every worker calls it).
 
-        :param given: the tensors this worker steps, by shared name.
+        :param plan: :meth:`plan` of the tensors this worker steps.
         :param catalog: every tensor this worker could step, by name (called
             only when workers proposed different tensors).
         :param nonfinite_here: whether a gradient that never travels (a local
@@ -137,28 +178,52 @@ class GradientSync:
         :raises PyroDistributedError: when the workers' tensors cannot be
             reconciled (missing somewhere, different shapes), naming them.
         """
-        proposal = self._agreement.propose(given)
+        if plan.era != self._era:  # made before forget(): every tensor is new again
+            plan.renew(self._agreement.propose(plan.given), self._era)
+        proposal = plan.proposal
         overlap = self._overlap
         flag = int(nonfinite_here)
         if overlap is None or not overlap.armed:
             settlement = self._agreement.settle(proposal, catalog, [flag])
             step, nonfinite_somewhere = settlement.step, settlement.riders[0] > 0
-            finite = self._averager.average_(step.names, step.tensors)
+            finite = self._averager.average_(self._buckets(plan, step))
         else:
             step, finite, nonfinite_somewhere = self._exchange_overlapped(
-                proposal, catalog, overlap, flag
+                plan, catalog, overlap, flag
             )
+        if proposal.new:  # synchronised now: nothing is new any more
+            plan.proposal = self._agreement.propose(plan.given)
+        buckets = self._last_buckets = self._buckets(plan, step)
         if overlap is not None:
-            overlap.after_step(step.names, step.tensors)
+            overlap.after_step(buckets)
+        # The buckets' tuples, which are the same objects while the tensors are
+        # (a proposal made again has tuples of its own): the front end's plan
+        # recognises the step by them (optim.plan.StepPlan.follow).
         return Exchanged(
-            step.names, step.tensors, step.borrowed, finite and not nonfinite_somewhere
+            buckets.names, buckets.params, step.borrowed, finite and not nonfinite_somewhere
         )
 
+    def _buckets(self, plan: ExchangePlan, step: StepParams) -> BucketPlan:
+        """The buckets of ``step``: at once the plan's own when it is the plan's
+        step; otherwise the last step's buckets if they hold the same tensors
+        (so that every worker's overlap keeps its hooks alike, whichever
+        worker made a new plan), else new ones."""
+        if step is plan.step and plan.buckets is not None:
+            return plan.buckets
+        last = self._last_buckets
+        if last is not None and _holds(last, step):
+            plan.buckets = last
+        else:
+            plan.buckets = self._averager.plan(step.names, step.tensors)
+        plan.step = step
+        return plan.buckets
+
     def _exchange_overlapped(
-        self, proposal: Proposal, catalog: Catalog, overlap: BackwardOverlap, flag: int
+        self, plan: ExchangePlan, catalog: Catalog, overlap: BackwardOverlap, flag: int
     ) -> tuple[StepParams, bool, bool]:
         """The step, whether its averages are finite, and whether some worker's
         ``flag`` (a non-finite gradient that does not travel) was raised."""
+        proposal = plan.proposal
         # Every bucket leaves before the header, on every worker alike; the
         # header then says whether they held the right tensors.
         overlap.send_remaining()
@@ -169,17 +234,19 @@ class GradientSync:
             unanimous = digests_equal(summed[: len(digest)], self._world_size)
             resend = [int(value > 0) for value in summed[len(digest) : -1]]
             raised = summed[-1] > 0
-            if unanimous and not proposal.new and _same(proposal.names, overlap.names):
-                return self._agreement.accept(proposal), overlap.finish(resend), raised
+            if unanimous and not proposal.new:
+                step = self._agreement.accept(proposal)
+                if overlap.sends(self._buckets(plan, step)):
+                    return step, overlap.finish(resend), raised
             overlap.discard()
             step = self._agreement.settle(proposal, catalog).step
         else:
             settlement = self._agreement.settle(proposal, catalog, [*stale, flag])
             step, raised = settlement.step, settlement.riders[-1] > 0
-            if settlement.unchanged and _same(step.names, overlap.names):
+            if settlement.unchanged and overlap.sends(self._buckets(plan, step)):
                 return step, overlap.finish(resend=settlement.riders[:-1]), raised
             overlap.discard()
-        return step, self._averager.average_(step.names, step.tensors), raised
+        return step, self._averager.average_(self._buckets(plan, step)), raised
 
     def average_alone_(self, tensor: Tensor) -> Tensor:
         """``tensor``, in place, as the exchange would average it if every other
@@ -196,11 +263,13 @@ class GradientSync:
         """Treat every tensor as new again and drop the overlap's plan (after the
         tensors were replaced, for example by loading a checkpoint)."""
         self._agreement.forget()
+        self._era += 1
         if self._overlap is not None:
             self._overlap.reset()
 
 
-def _same(names: tuple[str, ...], planned: tuple[str, ...]) -> bool:
-    """Whether two lists of names are equal; at once when they are the same tuple,
-    as they are in the steady state."""
-    return names is planned or names == planned
+def _holds(buckets: BucketPlan, step: StepParams) -> bool:
+    """Whether ``buckets`` hold the very tensors of ``step``, under the same names."""
+    return buckets.names == step.names and all(
+        a is b for a, b in zip(buckets.params, step.tensors, strict=True)
+    )

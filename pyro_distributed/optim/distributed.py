@@ -27,6 +27,7 @@ from ..engines import Engine
 from ..exchange import Compression
 from ..local.sparse import RowGradients
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
+from .plan import StepPlan
 from .schedulers import step_schedulers
 from .sparse_step import SparseStepper
 from .step import DataParallelStep, FrontEnd, StepOptions
@@ -201,7 +202,6 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         self._stepper = GroupedStepper(pyro_optim) if grouped else None
         # Steps the rows of local_updates="sparse" parameters (optim.sparse_step).
         self._sparse = SparseStepper(pyro_optim)
-        self._store_names = _StoreNames()
         self._step = DataParallelStep(engine, options, self)
 
     @property
@@ -227,19 +227,26 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         # row gradients, not a .grad (pyro_distributed.local.sparse).
         params, sparse = self._sparse.take(params)
         step = self._step
+        # SVI hands over a new set of the same tensors at every step: the same
+        # ids, the same plan (one pass, in C).
+        plan = step.plan(frozenset(map(id, params)), params)
         if not step.start():
-            self._step_wrapped(params, sparse, args, kwargs)
+            plan.follow(plan.tensors)
+            self._step_wrapped(plan, sparse, args, kwargs)
             return
-        stepped = step.exchange(self._store_names(params), sparse)
-        step.finish(stepped, lambda tensors: self._step_wrapped(tensors, sparse, args, kwargs))
+        stepped = step.exchange(plan, sparse)
+        step.finish(stepped, lambda plan: self._step_wrapped(plan, sparse, args, kwargs))
 
     def _step_wrapped(
-        self, params: Iterable[Tensor], sparse: list[RowGradients], args: Any, kwargs: Any
+        self, plan: StepPlan, sparse: list[RowGradients], args: Any, kwargs: Any
     ) -> None:
+        """Step the wrapped optimizer on ``plan.stepped``, then the sparse rows."""
         if self._stepper is not None:
-            self._stepper.step(params)
+            if plan.groups is None:
+                plan.groups = self._stepper.plan(plan.stepped)
+            self._stepper.step(plan.groups)
         else:
-            self.wrapped(params, *args, **kwargs)  # type: ignore[arg-type]
+            self.wrapped(plan.stepped, *args, **kwargs)  # type: ignore[arg-type]
         self._sparse.step(sparse)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
@@ -264,7 +271,6 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         """
         self.wrapped.optim_objs.clear()
         self.wrapped.grad_clip.clear()
-        self._store_names.forget()
         self._step.forget()
         if self._stepper is not None:
             self._stepper.forget()
@@ -277,6 +283,9 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
     def checked_tensors(self) -> dict[str, Tensor]:
         """The parameters that must be identical on every worker: the param store."""
         return _param_store()
+
+    def _named(self, tensors: tuple[Tensor, ...]) -> dict[str, Tensor]:
+        return _by_store_name(tensors)
 
     def _on_bind(self, exchanges: bool) -> None:
         pass
@@ -294,33 +303,6 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.wrapped!r}, engine={self._step.describe_engine()})"
-
-
-class _StoreNames:
-    """The tensors SVI hands the optimizer, by their param-store names.
-
-    SVI hands over a new set of the same tensors at every step. While the
-    tensors are the same (one comparison of their ids, in C), this returns
-    the same dict, which the step recognises at once and so skips naming,
-    splitting and agreeing per tensor (``DataParallelStep.exchange``). The
-    tensors of the last call are held, so that their ids cannot be reused.
-    """
-
-    def __init__(self) -> None:
-        self._ids: frozenset[int] = frozenset()
-        self._held: list[Tensor] = []
-        self._named: dict[str, Tensor] = {}
-
-    def __call__(self, params: list[Tensor]) -> dict[str, Tensor]:
-        ids = frozenset(map(id, params))
-        if ids != self._ids:
-            self._named = _by_store_name(params)  # a new dict: never changed once handed over
-            self._ids, self._held = ids, params
-        return self._named
-
-    def forget(self) -> None:
-        """Name the tensors again at the next call (after the param store was reloaded)."""
-        self._ids, self._held, self._named = frozenset(), [], {}
 
 
 def _by_store_name(params: Iterable[Tensor]) -> dict[str, Tensor]:

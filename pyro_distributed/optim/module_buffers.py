@@ -46,7 +46,7 @@ nothing at all when the trained modules have no floating-point buffer.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -112,6 +112,10 @@ def named_buffers(
     return found
 
 
+#: The buffers to average, by dtype (:meth:`ModuleBuffers.groups`).
+BufferGroups = dict[torch.dtype, list[Tensor]]
+
+
 class ModuleBuffers:
     """Averages the floating-point buffers of the modules being trained (see the module docstring).
 
@@ -125,10 +129,6 @@ class ModuleBuffers:
         self._checked = False
         # The values every worker agreed on at the end of the last step, per dtype.
         self._agreed: dict[torch.dtype, Tensor] = {}
-        # The last step's key and its buffers by dtype: a step whose key is the
-        # same skips finding the modules again (a steady state costs one compare).
-        self._key: Hashable = None
-        self._groups: dict[torch.dtype, list[Tensor]] = {}
 
     def found(self, named: Mapping[str, Tensor]) -> list[torch.nn.Module]:
         """The modules being trained, found again when a name in ``named`` is new.
@@ -151,30 +151,29 @@ class ModuleBuffers:
     def forget(self) -> None:
         """Find the modules again at the next step (after parameters were replaced)."""
         self._seen = {}
-        self._key = None
 
-    def start(self, key: Hashable, named: Callable[[], Mapping[str, Tensor]]) -> Callable[[], None]:
-        """Start averaging the buffers of the modules holding ``named()`` (the
-        parameters of this step, by names every worker shares); the returned
-        function finishes it. A collective when there are buffers, on every
-        worker alike; it travels while the optimizer steps (which reads no
-        buffer), so it costs little more than its bytes.
+    def groups(self, named: Mapping[str, Tensor]) -> BufferGroups:
+        """The floating-point buffers of the modules holding ``named`` (a step's
+        parameters, by names every worker shares), by dtype. The first call is
+        a collective (every worker must have found the same buffers). The
+        step's plan keeps them while its parameters stay the same."""
+        buffers = named_buffers(self.found(named), floating_only=True)
+        if not self._checked:
+            self._check(buffers)
+        groups: BufferGroups = {}
+        for _, buffer in buffers:
+            groups.setdefault(buffer.dtype, []).append(buffer)
+        return groups
 
-        ``key`` stands for the step's names (the same key, the same names):
-        while it does not change, ``named`` is not called and the modules
-        found at an earlier step are used."""
-        if key is None or key != self._key:
-            buffers = named_buffers(self.found(named()), floating_only=True)
-            if not self._checked:
-                self._check(buffers)
-            self._groups = {}
-            for _, buffer in buffers:
-                self._groups.setdefault(buffer.dtype, []).append(buffer)
-            self._key = key
-        if not self._groups:
+    def start(self, groups: BufferGroups) -> Callable[[], None]:
+        """Start averaging ``groups`` (:meth:`groups`); the returned function
+        finishes it. A collective when there are buffers, on every worker
+        alike; it travels while the optimizer steps (which reads no buffer),
+        so it costs little more than its bytes."""
+        if not groups:
             return _nothing
         sent = []
-        for dtype, group in self._groups.items():
+        for dtype, group in groups.items():
             flat = torch.cat([buffer.detach().reshape(-1) for buffer in group])
             agreed = self._agreed.get(dtype)
             if agreed is None or agreed.shape != flat.shape:

@@ -74,6 +74,10 @@ def groups_exactly(pyro_optim: PyroOptim) -> bool:
     return grouping_refusal(pyro_optim) is None and pyro_optim.pt_optim_constructor in _EXACT
 
 
+#: The groups a step steps, each with the members that sit it out (:meth:`GroupedStepper.plan`).
+GroupedSteps = list[tuple[torch.optim.Optimizer, list[Tensor]]]
+
+
 def _settings_key(group: dict[str, Any]) -> str:
     return repr(sorted((k, v) for k, v in group.items() if k != "params"))
 
@@ -85,16 +89,11 @@ class GroupedStepper:
         self._pyro_optim = pyro_optim
         self._groups: dict[str, torch.optim.Optimizer] = {}
         self._group_of: dict[Tensor, torch.optim.Optimizer] = {}
-        # The last call's parameters (held, so that their ids stay theirs), their
-        # ids, and its plan: each group to step, with the members to hide.
-        self._last: tuple[tuple[Tensor, ...], tuple[int, ...]] = ((), ())
-        self._plan: list[tuple[torch.optim.Optimizer, list[Tensor]]] = []
 
     def forget(self) -> None:
         """Drop every group (after the param store was replaced)."""
         self._groups.clear()
         self._group_of.clear()
-        self._last, self._plan = ((), ()), []
 
     def _join(self, param: Tensor) -> None:
         # A one-parameter optimizer resolves the hyper-parameters and takes
@@ -125,14 +124,9 @@ class GroupedStepper:
         group.state[param] = single.state[param]
         self._group_of[param] = group
 
-    def step(self, params: Iterable[Tensor]) -> None:
-        params = tuple(params)  # the same object when given a tuple
-        if params is not self._last[0]:  # the step's own tuple, steady: the same plan
-            ids = tuple(map(id, params))
-            if ids != self._last[1]:  # else the same tensors as last call: the same plan
-                self._plan = self._make_plan(params)
-            self._last = (params, ids)
-        for group, hideable in self._plan:
+    def step(self, groups: GroupedSteps) -> None:
+        """Step ``groups`` (:meth:`plan`), each member that was not passed sitting out."""
+        for group, hideable in groups:
             if not hideable:
                 group.step()
                 continue
@@ -144,11 +138,10 @@ class GroupedStepper:
             for p, grad in zip(hidden, saved, strict=True):
                 p.grad = grad
 
-    def _make_plan(
-        self, params: tuple[Tensor, ...]
-    ) -> list[tuple[torch.optim.Optimizer, list[Tensor]]]:
+    def plan(self, params: Iterable[Tensor]) -> GroupedSteps:
         """The groups that ``params`` belong to (joining new ones), each with the
-        members that were not passed and must sit out the step."""
+        members that were not passed and must sit out the step. The step's plan
+        keeps it while the parameters stay the same (``optim.plan.StepPlan``)."""
         stepping = set()
         for param in params:
             if param not in self._group_of:

@@ -22,7 +22,10 @@ worker:
 
 Steps 2-3 (:meth:`DataParallelStep.exchange`) and 4-5
 (:meth:`DataParallelStep.finish`) are two calls, because the torch front
-end's ``synchronize()`` exchanges before the user clips. The step asks its
+end's ``synchronize()`` exchanges before the user clips. Both work from the
+step's plan (:class:`~.plan.StepPlan`, from :meth:`DataParallelStep.plan`):
+what follows from the tensors is worked out once per set of tensors, and
+the steady state only checks that the set is the same. The step asks its
 front end for what only the front end knows through one typed protocol,
 :class:`StepOwner`; :class:`FrontEnd` gives a front end what it reads from its
 step: ``engine``, ``sync``, ``num_steps``, ``noise_scale()``. Neither calls
@@ -32,7 +35,7 @@ back into the other.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -47,6 +50,7 @@ from .consistency import compare_across_workers
 from .module_buffers import ModuleBuffers, named_buffers
 from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .options import EngineBinding, check_options, make_sync
+from .plan import StepPlan
 from .step_guards import refuse_nonfinite
 
 
@@ -84,17 +88,21 @@ class Stepped:
     """One step's exchange: what the front end's optimizer steps, and whether it may."""
 
     exchanged: Exchanged
-    #: Local parameters (their gradients scaled, never sent), by their own names.
-    local: dict[str, Tensor]
+    #: The step's plan, following the exchanged tensors (:meth:`~.plan.StepPlan.follow`).
+    plan: StepPlan
     #: The row gradients of sparse local parameters (``local_updates="sparse"``).
     sparse: list[RowGradients]
 
     @property
-    def tensors(self) -> Sequence[Tensor]:
-        """The dense tensors to step: the exchanged ones, then the local ones."""
-        if not self.local:
-            return self.exchanged.tensors  # the same tuple step after step
-        return [*self.exchanged.tensors, *self.local.values()]
+    def local(self) -> dict[str, Tensor]:
+        """Local parameters (their gradients scaled, never sent), by their own names."""
+        return self.plan.local
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The dense tensors to step: the exchanged ones, then the local ones
+        (the same tuple step after step in the steady state)."""
+        return self.plan.stepped
 
     @property
     def finite(self) -> bool:
@@ -130,6 +138,11 @@ class StepOwner(Protocol):
         """Per-parameter optimizer state, by the names of :meth:`checked_tensors`."""
         ...
 
+    def _named(self, tensors: tuple[Tensor, ...]) -> dict[str, Tensor]:
+        """``tensors`` (what the front end gave :meth:`DataParallelStep.plan`) by
+        names every worker shares; called once per plan."""
+        ...
+
     def _on_bind(self, exchanges: bool) -> None:
         """Called once the engine is bound, with whether there is an exchange."""
         ...
@@ -156,10 +169,7 @@ class DataParallelStep:
         self._sync: GradientSync | None = None
         self._local: LocalGradients | None = None
         self._buffers: ModuleBuffers | None = None
-        # The mapping last split, the local registry's generation then, and the split.
-        self._last_split: (
-            tuple[Mapping[str, Tensor], int, dict[str, Tensor], dict[str, Tensor]] | None
-        ) = None
+        self._plan: StepPlan | None = None
         self._binding = EngineBinding(engine)
         if self._binding.bound:
             self._bind()
@@ -202,18 +212,33 @@ class DataParallelStep:
         self.num_steps += 1
         return self.sync is not None
 
-    def exchange(self, named: Mapping[str, Tensor], sparse: list[RowGradients]) -> Stepped:
+    def plan(self, key: Hashable, tensors: Iterable[Tensor]) -> StepPlan:
+        """The plan for stepping ``tensors``: the last one while ``key`` and the
+        local registry's generation are the same (:mod:`.plan`).
+
+        :param key: what identifies the tensors, by identity (their ids, in a
+            frozenset or a tuple: one pass in C); equal keys promise the same
+            tensors under the same names.
+        :param tensors: the tensors, read only when a new plan is made.
+        """
+        plan, now = self._plan, generation()
+        if plan is None or plan.generation != now or plan.key != key:
+            plan = self._plan = StepPlan(key, tuple(tensors), now)
+        return plan
+
+    def exchange(self, plan: StepPlan, sparse: list[RowGradients]) -> Stepped:
         """Scale the local gradients and rows, exchange the rest (a collective).
 
-        :param named: the tensors to step, by names every worker shares. A
-            front end whose tensors are the same as last step's hands over the
-            very same mapping (and never changes one it has handed over): the
-            step then reuses last step's plan, with no pass over the tensors.
+        :param plan: :meth:`plan` of the tensors to step.
         :param sparse: the sparse local rows taken for this step.
         """
         sync, local_gradients = self._sync, self._local
         assert sync is not None and local_gradients is not None  # start() said so
-        replicated, local = self._split(named)
+        if plan.exchange is None:  # the plan's first exchange
+            plan.named = self._owner._named(plan.tensors)
+            plan.replicated, plan.local = split_local(plan.named)
+            plan.exchange = sync.plan(plan.replicated)
+        local = plan.local
         local_finite = True
         if local or sparse:
             self._owner._check_local(local)
@@ -222,35 +247,27 @@ class DataParallelStep:
             scale = sync.average_alone_
             local_finite = local_gradients.prepare(local, scale, scale_row_grads(sparse, scale))
         catalog = self._owner.checked_tensors
-        exchanged = sync.exchange(replicated, catalog, nonfinite_here=not local_finite)
-        return Stepped(exchanged, local, sparse)
+        exchanged = sync.exchange(plan.exchange, catalog, nonfinite_here=not local_finite)
+        plan.follow(exchanged.tensors)
+        return Stepped(exchanged, plan, sparse)
 
-    def _split(self, named: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """``named`` as (replicated, local); last step's two dicts, themselves,
-        while the front end hands over the same mapping and no tensor became or
-        stopped being local. The exchange then sees the same dict and reuses its
-        own plan in turn (``ParameterAgreement.propose``)."""
-        now = generation()
-        last = self._last_split
-        if last is not None and last[0] is named and last[1] == now:
-            return last[2], last[3]
-        replicated, local = split_local(named)
-        self._last_split = (named, now, replicated, local)
-        return replicated, local
-
-    def finish(self, stepped: Stepped, step_optimizer: Callable[[Sequence[Tensor]], None]) -> None:
-        """Step (``step_optimizer(tensors)``) or skip; then release, buffers, drift check."""
+    def finish(self, stepped: Stepped, step_optimizer: Callable[[StepPlan], None]) -> None:
+        """Step (``step_optimizer(plan)``, which steps ``plan.stepped``) or skip;
+        then release, buffers, drift check."""
         sync, options, buffers = self._sync, self.options, self._buffers
         assert sync is not None and buffers is not None  # start() said so
         if stepped.finite and self._noise is not None and stepped.exchanged.tensors:
             self._noise.observe(*sync.squared_norms())  # before the optimizer clips
-        exchanged = stepped.exchanged
-        # The same names as the last step: the same modules (no O(parameters) pass).
-        key = (exchanged.names, tuple(stepped.local), tuple(r.name for r in stepped.sparse))
-        finish_buffers = buffers.start(key, stepped.named)  # travels while the optimizer steps
+        exchanged, plan = stepped.exchanged, stepped.plan
+        # The modules are those of the plan's tensors, and of the sparse local
+        # parameters that stepped with them (which may differ from step to step).
+        sparse_names = tuple(rows.name for rows in stepped.sparse)
+        if plan.buffers is None or plan.buffers_with != sparse_names:
+            plan.buffers, plan.buffers_with = buffers.groups(stepped.named()), sparse_names
+        finish_buffers = buffers.start(plan.buffers)  # travels while the optimizer steps
         try:
             if stepped.finite:
-                step_optimizer(stepped.tensors)
+                step_optimizer(plan)
             else:
                 names = (*exchanged.names, *stepped.local)
                 named = zip(names, stepped.tensors, strict=True)
@@ -283,8 +300,8 @@ class DataParallelStep:
         return dict(named_buffers(roots))
 
     def forget(self) -> None:
-        """Treat every tensor as new (after a checkpoint replaced them)."""
-        self._last_split = None
+        """Treat every tensor as new (after a checkpoint replaced them): drop the plan."""
+        self._plan = None
         if self._sync is not None:
             self._sync.forget()
         if self._buffers is not None:

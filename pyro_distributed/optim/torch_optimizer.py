@@ -140,8 +140,6 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         self._synchronized: Stepped | None = None
         self._stamps = GradStamps()
         self._warned_changed = False
-        self._named_key: tuple[tuple[int, ...], ...] = ()
-        self._named: dict[str, Tensor] = {}
         # Swaps the rows of local_updates="sparse" parameters in (optim.sparse_step).
         self._sparse = TorchSparseStepper(optimizer)
         # Watch from the start, as a run of several workers will (see _on_bind).
@@ -266,15 +264,15 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
     def _exchange(self) -> Stepped:
         # First: an optimizer without a lazy rule is refused before anything travels.
         sparse = self._sparse.take()
-        return self._step.exchange(self._named_now(), sparse)
+        # Names are positions in the groups: the same ids in the same places,
+        # the same names, and the same plan.
+        groups = self.wrapped.param_groups
+        key = tuple(tuple(map(id, group["params"])) for group in groups)
+        plan = self._step.plan(key, (param for group in groups for param in group["params"]))
+        return self._step.exchange(plan, sparse)
 
-    def _named_now(self) -> dict[str, Tensor]:
-        """:meth:`named_parameters` as a dict; the last step's dict while every
-        group holds the same tensors (names are positions: nothing to format)."""
-        key = tuple(tuple(map(id, group["params"])) for group in self.wrapped.param_groups)
-        if key != self._named_key:
-            self._named_key, self._named = key, dict(self.named_parameters())
-        return self._named
+    def _named(self, tensors: tuple[Tensor, ...]) -> dict[str, Tensor]:
+        return dict(self.named_parameters())  # the plan's tensors, in the groups' order
 
     def _warn_if_changed_since_backward(self) -> None:
         if self._warned_changed:

@@ -234,37 +234,20 @@ def test_parameter_agreement_names_the_catalog_and_the_workers() -> None:
     assert "it is still the synchronised one on worker 0" in recreated[0]
 
 
-def test_the_same_tensors_under_the_same_names_reuse_the_proposal() -> None:
-    agreement = ParameterAgreement(pd.current_engine(), cap_bytes=1 << 20)
-    a, b = torch.zeros(3), torch.zeros(2)
-    first = agreement.propose({"b": b, "a": a})
-    assert first.new == ("a", "b")
-    agreement.settle(first, lambda: {"a": a, "b": b})  # both synchronised: nothing new now
-    steady = agreement.propose({"b": b, "a": a})
-    assert steady is not first and steady.new == ()
-    # A fresh mapping of the same tensors under the same names: the same proposal, and step.
-    assert agreement.propose({"b": b, "a": a}) is steady
-    assert agreement.accept(steady) is agreement.accept(steady)
-    assert agreement.accept(steady).tensors == (a, b)
-    # A replaced tensor, or a renamed one, is proposed afresh and is new.
-    assert agreement.propose({"b": torch.zeros(2), "a": a}).new == ("b",)
-    assert agreement.propose({"c": b, "a": a}).new == ("c",)
-    again = agreement.propose({"b": b, "a": a})
-    assert again is not steady and again.digest == steady.digest
-    agreement.forget()
-    assert agreement.propose({"b": b, "a": a}).new == ("a", "b")
-
-
-def test_the_very_same_mapping_handed_over_again_is_recognised_until_a_sync() -> None:
+def test_what_is_new_follows_the_synchronised_tensors() -> None:
     agreement = ParameterAgreement(pd.current_engine(), cap_bytes=1 << 20)
     a, b = torch.zeros(3), torch.zeros(2)
     given = {"b": b, "a": a}
     first = agreement.propose(given)
-    assert agreement.propose(given) is first
-    # Synchronising changes what is new: the same mapping must not get the old answer.
-    agreement.settle(first, lambda: given)
+    assert first.names == ("a", "b") and first.new == ("a", "b")
+    assert first.step.tensors == (a, b)
+    agreement.settle(first, lambda: given)  # both synchronised: nothing is new now
     steady = agreement.propose(given)
-    assert steady is not first and steady.new == ()
-    assert agreement.propose(given) is steady
+    assert steady.new == () and steady.digest != first.digest
+    assert agreement.accept(steady).tensors == (a, b)
+    # A replaced tensor, or a renamed one, is new.
+    assert agreement.propose({"b": torch.zeros(2), "a": a}).new == ("b",)
+    assert agreement.propose({"c": b, "a": a}).new == ("c",)
+    assert agreement.propose(given).digest == steady.digest
     agreement.forget()
     assert agreement.propose(given).new == ("a", "b")

@@ -28,7 +28,8 @@ def _fused_and_per_tensor_means() -> tuple[list[torch.Tensor], list[torch.Tensor
     for p in params:
         p.grad = torch.randn(p.shape, generator=generator)
     expected = [pd.all_mean(p.grad) for p in params]  # type: ignore[arg-type]
-    GradientAverager(pd.current_engine(), 24, Reduction()).average_(["a", "b", "c", "d"], params)
+    averager = GradientAverager(pd.current_engine(), 24, Reduction())
+    averager.average_(averager.plan(["a", "b", "c", "d"], params))
     return [p.grad for p in params], expected  # type: ignore[misc]
 
 
@@ -49,7 +50,7 @@ def averager_norms(op: str, predivide: float) -> tuple[tuple[float, float], tupl
     exact = exact_norms(torch.cat([p.grad.reshape(-1) for p in params]))  # type: ignore[union-attr]
     reduction = Reduction(op=op, predivide=predivide)  # type: ignore[arg-type]
     averager = GradientAverager(engine, 2**20, reduction, measure_norms=True)
-    assert averager.average_(["a", "b"], params)
+    assert averager.average_(averager.plan(["a", "b"], params))
     return averager.squared_norms(), exact
 
 
@@ -68,9 +69,8 @@ def averaged(op: str, predivide: float, missing: str) -> dict[str, object]:
     b.grad = None if (missing == "one" and rank == 0) else torch.full((3,), 4.0)
     c.grad = None
     reduction = Reduction(op=op, predivide=predivide)  # type: ignore[arg-type]
-    finite = GradientAverager(pd.current_engine(), 1 << 20, reduction).average_(
-        ["a", "b", "c"], [a, b, c]
-    )
+    averager = GradientAverager(pd.current_engine(), 1 << 20, reduction)
+    finite = averager.average_(averager.plan(["a", "b", "c"], [a, b, c]))
     grads = [None if t.grad is None else t.grad.tolist() for t in (a, b, c)]
     return {"finite": finite, "grads": grads}
 
@@ -93,7 +93,8 @@ def test_a_missing_gradient_counts_as_zero_and_one_missing_everywhere_stays_none
 def nonfinite_on_one_worker() -> bool:
     p = torch.zeros(2, requires_grad=True)
     p.grad = torch.tensor([1.0, float("inf") if pd.rank() == 1 else 1.0])
-    return GradientAverager(pd.current_engine(), 1 << 20, Reduction()).average_(["p"], [p])
+    averager = GradientAverager(pd.current_engine(), 1 << 20, Reduction())
+    return averager.average_(averager.plan(["p"], [p]))
 
 
 def test_a_non_finite_gradient_anywhere_makes_every_worker_report_it() -> None:
@@ -108,9 +109,10 @@ def grouped_buckets(groups: object) -> tuple[int, list[tuple[str, int]], list[li
     if groups == "lists":
         groups = [[params[0], params[3]]]
     averager = GradientAverager(engine, 1 << 20, Reduction(groups=groups))  # type: ignore[arg-type]
-    averager.average_(["p0", "p1", "p2", "p3"], params)
+    plan = averager.plan(["p0", "p1", "p2", "p3"], params)
+    averager.average_(plan)
     grads = [p.grad.tolist() for p in params]  # type: ignore[union-attr]
-    return len(averager.buckets), engine.calls, grads
+    return len(plan.buckets), engine.calls, grads
 
 
 @pytest.mark.parametrize(("groups", "buckets"), [(None, 1), (2, 2), ("lists", 3)])
@@ -137,7 +139,7 @@ def compressed_large_values() -> list[float]:
     p = torch.zeros(2, requires_grad=True)
     p.grad = torch.full((2,), 40000.0 + pd.rank())  # a float16 sum of two would overflow
     averager = GradientAverager(pd.current_engine(), 1 << 20, Reduction(compression=_Halves()))
-    assert averager.average_(["p"], [p])
+    assert averager.average_(averager.plan(["p"], [p]))
     return p.grad.tolist()  # type: ignore[union-attr]
 
 
@@ -162,7 +164,7 @@ def _alone_and_averaged() -> list[tuple[torch.Tensor, torch.Tensor]]:
         param = pyro.param(f"alone{number}", torch.zeros(257)).unconstrained()
         param.grad = own.clone() if pd.rank() == 0 else torch.zeros(257)
         averager = GradientAverager(pd.current_engine(), 2**20, reduction)
-        averager.average_([f"alone{number}"], [param])
+        averager.average_(averager.plan([f"alone{number}"], [param]))
         found.append((param.grad.clone(), averager.average_alone_(own.clone())))
     return found
 

@@ -240,17 +240,19 @@ def test_a_collective_between_backward_and_step_does_not_pair_with_a_bucket() ->
         assert torch.equal(results[1]["params"][name], value), name
 
 
-def test_the_same_tuples_handed_over_again_still_arm() -> None:
-    # The steady state hands the overlap the very same tuples at every step;
-    # the second step must still arm it, as a step with equal new tuples does.
+def test_the_same_plan_handed_over_again_arms_and_another_starts_over() -> None:
+    # The steady state hands the overlap the very same bucket plan at every
+    # step: the second step arms it. A plan of its own, even of the same
+    # tensors, gets hooks of its own and observes one step again.
     engine = pd.current_engine()
     averager = GradientAverager(engine, 1 << 20, Reduction())
     overlap = BackwardOverlap(engine, averager)
-    names, params = (
-        ("a", "b"),
-        (torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)),
-    )
-    overlap.after_step(names, params)
-    assert not overlap.armed
-    overlap.after_step(names, params)
+    params = (torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True))
+    plan = averager.plan(("a", "b"), params)
+    overlap.after_step(plan)
+    assert not overlap.armed and overlap.sends(plan)
+    overlap.after_step(plan)
     assert overlap.armed
+    again = averager.plan(("a", "b"), params)
+    overlap.after_step(again)
+    assert not overlap.armed and overlap.sends(again) and not overlap.sends(plan)

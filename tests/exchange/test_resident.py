@@ -28,12 +28,12 @@ def _grads(rank: int, step: int) -> list[torch.Tensor]:
 def averaged_three_steps() -> dict[str, Any]:
     params = [torch.zeros(shape, requires_grad=True) for shape in SHAPES]
     averager = GradientAverager(pd.current_engine(), 2**20, Reduction())
-    names = [f"p{i}" for i in range(len(params))]
+    plan = averager.plan([f"p{i}" for i in range(len(params))], params)
     views, exact = [], []
     for step in range(3):
         for param, grad in zip(params, _grads(pd.rank(), step), strict=True):
             param.grad = grad  # a new tensor each step, as Pyro's zero_grads leaves
-        assert averager.average_(names, params)
+        assert averager.average_(plan)
         views.append([param.grad for param in params])
         mine, theirs = _grads(0, step), _grads(1, step)
         exact.append(
@@ -58,16 +58,16 @@ def resident_against_a_new_tensor() -> bool:
     engine = pd.current_engine()
     params = [torch.zeros(shape, requires_grad=True) for shape in SHAPES]
     averager = GradientAverager(engine, 2**20, Reduction())
-    names = [f"p{i}" for i in range(len(params))]
+    plan = averager.plan([f"p{i}" for i in range(len(params))], params)
     for step in range(3):
         for param, grad in zip(params, _grads(pd.rank(), step), strict=True):
             param.grad = grad
         if step == 2:
-            bucket = averager.buckets[0]
+            bucket = plan.buckets[0]
             wire, context = averager.encode(bucket.pack(params))
             engine.allreduce_([wire], op="sum")
             expected = bucket.split_gradients(averager.decode(wire, context))
-        assert averager.average_(names, params)
+        assert averager.average_(plan)
     return all(
         torch.equal(param.grad.reshape(-1), want)  # type: ignore[union-attr]
         for param, want in zip(params, expected, strict=True)
@@ -114,11 +114,12 @@ def shrunk_in_place() -> str:
     other = torch.zeros(2, requires_grad=True)
     averager = GradientAverager(pd.current_engine(), 2**20, Reduction())
     param.grad, other.grad = torch.ones(4), torch.ones(2)
-    averager.average_(["a", "b"], [param, other])  # the resident buffer is made
+    plan = averager.plan(["a", "b"], [param, other])
+    averager.average_(plan)  # the resident buffer is made
     param.data = torch.zeros(1)  # a gradient of 1 value would broadcast into a view of 4
     param.grad, other.grad = torch.ones(1), torch.ones(2)
     with pytest.raises(pd.PyroDistributedError) as info:
-        averager.average_(["a", "b"], [param, other])
+        averager.average_(plan)
     return str(info.value)
 
 

@@ -37,10 +37,11 @@ def backward(tensors: dict[str, torch.Tensor], step: int) -> None:
 def exchanges(overlap: bool, steps: int) -> list[dict[str, Any]]:
     sync = GradientSync(pd.current_engine(), CAP, Reduction(), overlap=overlap)
     tensors = leaves()
+    plan = sync.plan(tensors)
     records = []
     for step in range(steps):
         backward(tensors, step)
-        done = sync.exchange(tensors, lambda: tensors)
+        done = sync.exchange(plan, lambda: tensors)
         records.append(
             {
                 "names": done.names,
@@ -92,7 +93,7 @@ def borrowing() -> dict[str, Any]:
     catalog = leaves()
     given = dict(catalog) if pd.rank() == 1 else {"w": catalog["w"]}
     backward(given, 0)
-    done = sync.exchange(given, lambda: catalog)
+    done = sync.exchange(sync.plan(given), lambda: catalog)
     return {
         "names": done.names,
         "borrowed": sorted(done.borrowed),
@@ -120,7 +121,7 @@ def disagreement() -> str:
         catalog["extra"] = torch.zeros(4, requires_grad=True)
     backward(catalog, 0)
     with pytest.raises(pd.PyroDistributedError) as info:
-        sync.exchange(catalog, lambda: catalog)
+        sync.exchange(sync.plan(catalog), lambda: catalog)
     return str(info.value)
 
 
@@ -137,9 +138,10 @@ def forgetting() -> dict[str, Any]:
     engine = CountingEngine(pd.current_engine())
     sync = GradientSync(engine, CAP, Reduction(), overlap=True)
     tensors = leaves()
+    plan = sync.plan(tensors)  # kept across forget(): made again at its next exchange
     for step in range(3):
         backward(tensors, step)
-        sync.exchange(tensors, lambda: tensors)
+        sync.exchange(plan, lambda: tensors)
         for t in tensors.values():
             t.grad = None
     armed_before = sync.overlap_armed
@@ -147,7 +149,7 @@ def forgetting() -> dict[str, Any]:
         with torch.no_grad():
             tensors["w"].add_(5.0)
     backward(tensors, 3)
-    sync.exchange(tensors, lambda: tensors)
+    sync.exchange(plan, lambda: tensors)
     drifted = tensors["w"].detach().clone()
     for t in tensors.values():
         t.grad = None
@@ -155,7 +157,7 @@ def forgetting() -> dict[str, Any]:
     armed_after_forget = sync.overlap_armed
     engine.calls.clear()
     backward(tensors, 4)
-    sync.exchange(tensors, lambda: tensors)
+    sync.exchange(plan, lambda: tensors)
     return {
         "armed_before": armed_before,
         "drifted": drifted,
@@ -185,13 +187,14 @@ def nonfinite_and_norms() -> dict[str, Any]:
     )
     w = torch.zeros(2, requires_grad=True)
     w.grad = torch.tensor([1.0, 3.0]) * (pd.rank() + 1)
-    finite = sync.exchange({"w": w}, lambda: {"w": w}).finite
+    plan = sync.plan({"w": w})
+    finite = sync.exchange(plan, lambda: {"w": w}).finite
     norms = sync.squared_norms()
     w.grad = torch.tensor([float("nan") if pd.rank() == 0 else 1.0, 1.0])
     return {
         "finite": finite,
         "norms": norms,
-        "nan": sync.exchange({"w": w}, lambda: {"w": w}).finite,
+        "nan": sync.exchange(plan, lambda: {"w": w}).finite,
     }
 
 

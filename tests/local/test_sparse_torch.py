@@ -14,6 +14,7 @@ checkpoints (bitwise resume, re-partitioned), and row gradients with particles.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -395,8 +396,10 @@ PARTICLES = ((4, True), (4, False))
 
 def module_row_gradients(mode: str) -> dict[str, torch.Tensor]:
     """One backward pass per particle setting; each local parameter's gradient as a
-    block (dense: its ``.grad``; sparse: the taken row gradients in a zero block)."""
-    seen = {}
+    block (dense: its ``.grad``; sparse: the taken row gradients in a zero block),
+    and (sparse) the most times one row was read by sequential particles."""
+    seen: dict[str, Any] = {}
+    most = 0
     with module_local_params():
         for particles, vectorize in PARTICLES:
             elbo = Trace_ELBO(
@@ -415,14 +418,41 @@ def module_row_gradients(mode: str) -> dict[str, torch.Tensor]:
                     seen[key] = p.grad.clone()
                 else:
                     assert p.grad is None
+                    if not vectorize:  # the last call's reads, one per particle
+                        reads = sparse_local.pending_reads(name)[-particles:]
+                        counts = torch.cat([rows for rows, _ in reads]).bincount()
+                        most = max(most, int(counts.max()))
                     _, (rows,) = sparse_local.take_gradients([p])
                     seen[key] = torch.zeros_like(p).index_copy_(rows.axis, rows.rows, rows.grad)
+    if mode == "sparse":
+        seen["most reads"] = [most]
     return seen
 
 
 def test_torch_native_row_gradients_are_the_dense_gradients_rows_with_particles() -> None:
+    """Vectorised particles: bitwise the dense gradient's rows. Sequential ones
+    run in one backward pass here (the ELBO module sums the particles' losses),
+    where autograd adds up the block's incoming gradients in an order of its
+    own, while the rows are summed in the order they were read: a row read by
+    three particles or more can differ in the last bits (measured: 2 ulps, on
+    a row read by three). The SVI path, one backward pass per particle, is
+    bitwise (tests/local/test_sparse.py)."""
     dense = run_workers(module_row_gradients, "dense")
     mine = run_workers(module_row_gradients, "sparse")
+    most_reads = [got.pop("most reads")[0] for got in mine]
     for got, want in zip(mine, dense, strict=True):
         assert got.keys() == want.keys() and len(got) == 4
-        assert_same_state(got, want)
+        for key, value in want.items():
+            if "vectorised" in key:
+                assert torch.equal(got[key], value), key
+            else:
+                assert (got[key] != 0).equal(value != 0), f"{key}: the same rows"
+                assert within_ulps(got[key], value, 4), key
+    # Sequential particles here really read a row three times or more: the
+    # case the tolerance is for is exercised.
+    assert max(most_reads) >= 3
+
+
+def within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int) -> bool:
+    ulp = (torch.nextafter(want, torch.full_like(want, math.inf)) - want).abs()
+    return bool(((got - want).abs() <= ulps * ulp).all())
