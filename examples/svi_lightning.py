@@ -20,6 +20,7 @@ step instead of O(N/W).
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import lightning.pytorch as pl
@@ -126,13 +127,15 @@ def main() -> None:
         # own: the block's own .grad is never filled.
         dense_gradient = guide.locs.z_unconstrained.grad is not None
         stepped = "all its rows" if dense_gradient else "only each batch's rows"
-        print(
+        # One write per line: both workers print to the same terminal, and
+        # print() writes a line's text and its newline separately.
+        sys.stdout.write(
             f"worker {pd.rank()}: holds {rows} of {args.size} rows of z's parameters, "
-            f"stepped {stepped}"
+            f"stepped {stepped}\n"
         )
     if trainer.is_global_zero:
-        print(f"trained on {trainer.world_size} worker(s)")
-        print(f"weights: [{', '.join(f'{v:.3f}' for v in w.tolist())}]")
+        weights = ", ".join(f"{v:.3f}" for v in w.tolist())
+        sys.stdout.write(f"trained on {trainer.world_size} worker(s)\nweights: [{weights}]\n")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """The gradient's trip between workers, knowing nothing of Pyro.
 
-A front end (:mod:`pyro_distributed.optim`) hands the exchange a list of
-named tensors once per step; the exchange agrees with every other worker on
-which tensors take part (:mod:`.agreement`), packs their gradients into a few
-fused buckets (:mod:`.layout`), averages them (:mod:`.averager`, optionally
-compressed, :mod:`.compression`), starts the buckets while backward is still
-running (:mod:`.overlap`), and writes the averages back into ``.grad``.
-:class:`GradientSync` owns all of it, so a second front end calls one object
-instead of re-implementing the trip.
+A front end (:mod:`pyro_distributed.optim`) hands the exchange a list of named
+tensors once per step; the exchange agrees with every other worker on which
+tensors take part (:mod:`.agreement`), packs their gradients into a few fused
+buckets (:mod:`.bucket`: each owns its layout, buffer and trip), averages them
+(:mod:`.averager`, optionally compressed, :mod:`.compression`), starts the
+buckets while backward is still running (:mod:`.overlap`), and writes the
+averages back into ``.grad``. :class:`GradientSync` owns all of it, so a
+second front end calls one object instead of re-implementing the trip.
 
 The names below are the exchange's face: code outside this package imports
 them from here, never from its modules (an import-linter contract checks it),
@@ -17,7 +17,8 @@ the same way).
 """
 
 from .agreement import Catalog
-from .averager import Compressor, Reduction
+from .averager import Reduction
+from .bucket import Compressor
 from .compression import Compression, compressor
 from .sync import Exchanged, ExchangePlan, GradientSync
 

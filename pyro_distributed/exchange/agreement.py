@@ -48,7 +48,7 @@ from ..consensus import describe_split, describe_workers
 from ..digest import digest_int
 from ..engines import Engine
 from ..errors import PyroDistributedError
-from .layout import broadcast_values_
+from .bucket import plan_layouts
 
 #: How many floats :func:`digest_floats` makes of a digest in 8-bit pieces.
 DIGEST_FLOATS = 16
@@ -112,6 +112,9 @@ class Settlement:
     unchanged: bool
     #: The riders, max-reduced across workers.
     riders: list[int]
+    #: What to propose from now on: the proposal settled, or, once its new
+    #: tensors were synchronised, the same tensors with nothing new.
+    proposal: Proposal
 
 
 def _spec(tensor: Tensor) -> Spec:
@@ -181,7 +184,7 @@ class ParameterAgreement:
             worker knows them by (param-store names, module paths, ...).
 
         A proposal with new tensors is out of date once :meth:`settle` has
-        synchronised them: propose again (nothing is new then).
+        synchronised them: :attr:`Settlement.proposal` is the one to make then.
         """
         names = sorted(given)
         new = [name for name in names if self._synced.get(name) is not given[name]]
@@ -211,7 +214,7 @@ class ParameterAgreement:
         top, bottom, *summed = header.tolist()
         unanimous = top == -bottom
         if unanimous and not proposal.new:
-            return Settlement(proposal.step, True, summed)
+            return Settlement(proposal.step, True, summed, proposal)
         names, given, new = list(proposal.names), proposal.given, list(proposal.new)
         borrowed: frozenset[str] = frozenset()
         if not unanimous:
@@ -222,7 +225,8 @@ class ParameterAgreement:
             broadcast_values_(self._engine, [given[name] for name in new], self._cap_bytes)
             self._synced.update((name, given[name]) for name in new)
         step = StepParams(tuple(names), tuple(given[name] for name in names), borrowed)
-        return Settlement(step, unanimous and not new, summed)
+        settled = self.propose(proposal.given) if proposal.new else proposal
+        return Settlement(step, unanimous and not new, summed, settled)
 
     def _reconcile(
         self, given: Mapping[str, Tensor], in_store: Mapping[str, Tensor]
@@ -276,3 +280,14 @@ def _raise_on_disagreement(
             + (f"; and {len(problems) - 5} more problems" if len(problems) > 5 else "")
             + ". Every worker must create the same parameters, with the same shapes and dtypes."
         )
+
+
+def broadcast_values_(engine: Engine, tensors: Sequence[Tensor], cap_bytes: int) -> None:
+    """Overwrite each tensor's values, in place, with worker 0's (in fused buffers)."""
+    layouts = plan_layouts(tensors, cap_bytes)
+    with torch.no_grad():
+        flats = [torch.cat([tensors[i].detach().reshape(-1) for i in b.members]) for b in layouts]
+        engine.broadcast_(flats, src=0)
+        for layout, flat in zip(layouts, flats, strict=True):
+            for index, chunk in zip(layout.members, layout.split_gradients(flat), strict=True):
+                tensors[index].copy_(chunk.view_as(tensors[index]))

@@ -2,18 +2,19 @@
 
 Without overlap a step computes every gradient and only then sends them. Here
 a hook on each parameter notices when its gradient is complete, and a bucket
-of the :class:`~pyro_distributed.exchange.averager.GradientAverager` goes on the wire as
-soon as all of its members are, while backward computes the rest.
+of the step's plan (:class:`~pyro_distributed.exchange.bucket.Bucket`) is asked to
+send itself as soon as all of its members are, while backward computes the rest.
 
 What keeps this exact, and keeps workers' collectives paired:
 
-* The buckets are the averager's own: same members, same gradient bytes on
-  the wire, so an overlapped step is bitwise equal to an unoverlapped one at
-  two workers. The last bucket also carries the header (below), which makes
-  it longer; from three workers on, a ring all-reduce (gloo's) that cuts a
-  buffer into chunks by its length may then add some elements in another
-  order, so the averages can differ from an unoverlapped step's in the last
-  bits (identically on every worker: the workers stay bitwise in sync).
+* The buckets are the plan's, those the averager sends all at once: same
+  members, same gradient bytes on the wire, so an overlapped step is bitwise
+  equal to an unoverlapped one at two workers. The last bucket also carries
+  the header (below), which makes it longer; from three workers on, a ring
+  all-reduce (gloo's) that cuts a buffer into chunks by its length may then
+  add some elements in another order, so the averages can differ from an
+  unoverlapped step's in the last bits (identically on every worker: the
+  workers stay bitwise in sync).
 * Buckets start in one fixed order, the same on every worker (worker 0's
   observed order of readiness, agreed once): a bucket is sent only after the
   buckets before it. Every worker sends all of them each step, during
@@ -30,14 +31,16 @@ What keeps this exact, and keeps workers' collectives paired:
   agreement header, so every worker learns of every stale bucket and all of
   them send it again.
 * The last bucket in the order waits for the optimizer call and carries the
-  agreement header (:func:`~pyro_distributed.exchange.agreement.digest_floats`) and
-  the stale flags in its sum, so a step costs no collective beyond its
-  buckets. The header is left out of any scaling and cast with the bucket,
-  in pieces small enough that its sum is exact in the wire's
-  type (:meth:`~pyro_distributed.exchange.averager.GradientAverager.carrier_digest_bits`:
-  8-bit pieces in float32, 4-bit ones in float16 up to 9 workers); only
-  where no piece is small enough (a wire type without exact integers, or
-  too many workers for it) does the header travel on its own.
+  agreement header
+  (:func:`~pyro_distributed.exchange.agreement.digest_floats`) and the stale
+  flags in its sum, so a step costs no collective beyond its buckets. The
+  header is left out of any scaling and cast with the bucket, in pieces small
+  enough that its sum is exact in the wire's type
+  (:meth:`~pyro_distributed.exchange.bucket.Wire.riders_dtype` and
+  :func:`~pyro_distributed.exchange.agreement.digest_bits`: 8-bit pieces in
+  float32, 4-bit ones in float16 up to 9 workers); only where no piece is
+  small enough (a wire type without exact integers, or too many workers for
+  it) does the header travel on its own.
 * If a step's parameters are not the planned ones (new parameters, or
   workers that used different ones), the early results are dropped and the
   step runs unoverlapped.
@@ -54,35 +57,17 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from ..engines import Engine, Pending
-from ..torch_internals import GradStamp, grad_changed_since, grad_stamp
-from .averager import BucketPlan, GradientAverager
+from ..engines import Engine
+from .agreement import digest_bits
+from .averager import BucketPlan
 
 Phase = Literal["idle", "observing", "armed"]
-
-
-@dataclass
-class _Sent:
-    """A bucket on the wire, and what its members' gradients were when it left."""
-
-    wire: Tensor
-    context: Any
-    pending: Pending | None  # None once waited for
-    grads: list[GradStamp]
-    #: The summed bucket's tail (flags, riders), once read (the carrier's).
-    tail: list[float] | None = None
-
-    def wait(self) -> None:
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
 
 
 def _remove(handles: list[RemovableHandle]) -> None:
@@ -92,11 +77,10 @@ def _remove(handles: list[RemovableHandle]) -> None:
 
 
 class BackwardOverlap:
-    """Sends the averager's buckets from backward hooks; see the module docstring."""
+    """Sends a plan's buckets from backward hooks; see the module docstring."""
 
-    def __init__(self, engine: Engine, averager: GradientAverager) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._averager = averager
         self._channel: Engine | None = None
         self._phase: Phase = "idle"
         # The buckets the hooks send (the step plan's; see after_step).
@@ -114,7 +98,6 @@ class BackwardOverlap:
         self._sizes: list[int] = []  # per bucket: how many members it has
         self._observed: list[int] = []  # buckets in the order they became ready
         self._next = 0  # position in _order of the next bucket to send
-        self._sent: dict[int, _Sent] = {}
 
     @property
     def armed(self) -> bool:
@@ -159,49 +142,34 @@ class BackwardOverlap:
             self._next += 1
 
     def stale_flags(self) -> list[int]:
-        """Per bucket, 1 if a member's gradient changed after the bucket was sent."""
-        return [int(self._is_stale(index)) for index in range(len(self._plan.buckets))]
+        """Per bucket, 1 if a member's gradient changed after the bucket was sent
+        (never the carrier: packed at the call, after every backward pass)."""
+        carrier = self._carrier
+        return [
+            int(index != carrier and bucket.stale())
+            for index, bucket in enumerate(self._plan.buckets)
+        ]
 
     def send_carrier(self, header: Sequence[float]) -> list[float]:
         """Send the carrier with ``header`` riding along; return the header summed
         over workers (a collective, once per step, after :meth:`send_remaining`)."""
         assert self._carrier is not None
         self._send(self._carrier, header)
-        sent = self._sent[self._carrier]
-        sent.wait()
-        # The carrier's riders are summed exactly as written (see _arm): read from
-        # the wire before decoding; its flags (positive where present) serve
-        # unpack as they are.
-        carrier = self._plan.buckets[self._carrier]
-        sent.tail = carrier.tail(sent.wire)
-        return carrier.riders(sent.tail)
-
-    def _is_stale(self, index: int) -> bool:
-        if index == self._carrier:
-            return False  # packed at the call, after every backward pass
-        members = self._plan.buckets[index].members
-        sent = self._sent[index]
-        params = self._plan.params
-        return any(
-            grad_changed_since(params[member], stamp)
-            for member, stamp in zip(members, sent.grads, strict=True)
-        )
+        # Summed exactly as written (see _arm): read from the wire before decoding.
+        return self._plan.buckets[self._carrier].summed_riders()
 
     def finish(self, resend: Sequence[int]) -> bool:
         """Wait for every bucket, send again those flagged in ``resend`` (by any worker),
         and write the averages into ``.grad``; return whether all are finite."""
-        again = [index for index in self._order if resend[index]]
-        for sent in self._sent.values():
-            sent.wait()
-        for index in again:
-            self._send(index)
+        buckets = self._plan.buckets
+        for bucket in buckets:
+            bucket.wait()
+        for index in self._order:
+            if resend[index]:
+                self._send(index)
         finite = True
-        for index in range(len(self._plan.buckets)):
-            sent = self._sent[index]
-            sent.wait()
-            flat = self._averager.decode(sent.wire, sent.context)
-            finite &= self._averager.unpack(self._plan, index, flat, sent.tail)
-        self._sent.clear()
+        for bucket in buckets:
+            finite &= bucket.receive()
         return finite
 
     def discard(self) -> None:
@@ -209,9 +177,8 @@ class BackwardOverlap:
         self._drain()
 
     def _drain(self) -> None:
-        for sent in self._sent.values():
-            sent.wait()
-        self._sent.clear()
+        for bucket in self._plan.buckets:
+            bucket.discard()
 
     def _install(self, plan: BucketPlan) -> None:
         _remove(self._hooks)
@@ -220,7 +187,7 @@ class BackwardOverlap:
         self._sizes = [len(bucket.members) for bucket in buckets]
         self._bucket_of = [0] * len(params)
         for index, bucket in enumerate(buckets):
-            for member in bucket.members:
+            for member in bucket.layout.members:
                 self._bucket_of[member] = index
         self._expected = [1] * len(params)
         self._fires = [0] * len(params)
@@ -241,7 +208,8 @@ class BackwardOverlap:
         self._engine.broadcast_([order], src=0)
         self._order = order.tolist()
         last = self._order[-1]
-        bits = self._averager.carrier_digest_bits(self._plan.buckets[last])
+        dtype = self._plan.buckets[last].riders_dtype()
+        bits = None if dtype is None else digest_bits(dtype, self._engine.world_size)
         self._carrier = None if bits is None else last
         self._digest_bits = bits or 8
         if self._channel is None:
@@ -254,7 +222,6 @@ class BackwardOverlap:
 
     def _new_step(self) -> None:
         self._next = 0
-        self._sent = {}
         if not self._hooks:
             return  # nothing counts accumulations (removed once armed, see _arm)
         if self._fires != self._expected:
@@ -288,22 +255,13 @@ class BackwardOverlap:
 
     def _send(self, index: int, riders: Sequence[float] = ()) -> None:
         assert self._channel is not None
-        # No torch.no_grad() needed: pack returns a detached tensor, and
-        # everything after works on it.
-        plan = self._plan
-        flat = self._averager.pack(plan, index, riders)
         # The carrier is packed at the call, after every backward pass: it
-        # cannot go stale, and needs no stamps.
-        members = () if index == self._carrier else plan.buckets[index].members
-        grads = [grad_stamp(plan.params[i]) for i in members]
-        wire, context = self._averager.encode(flat, riders)
-        name = plan.bucket_names[index]
-        pending = self._channel.allreduce_async_(wire, "sum", name)
-        self._sent[index] = _Sent(wire, context, pending, grads)
+        # cannot go stale, and its members' gradients need no watching.
+        self._plan.buckets[index].send(self._channel, riders, watch=index != self._carrier)
 
 
 #: The plan of an overlap that watches nothing (before the first step, after a reset).
-_NO_PLAN = BucketPlan((), (), [], [], [])
+_NO_PLAN = BucketPlan((), (), [])
 
 
 def _hook(owner: weakref.ref[BackwardOverlap], index: int) -> Callable[[Tensor], None]:

@@ -7,9 +7,10 @@ same order on every worker:
 
 1. the workers agree on the sorted list of tensors, and new ones take worker
    0's values (:mod:`.agreement`);
-2. their gradients are averaged in fused buckets (:mod:`.averager`,
-   :mod:`.layout`); with overlap, most buckets already left during backward
-   (:mod:`.overlap`), and step 1 confirms they held the right tensors.
+2. their gradients are averaged in fused buckets (:mod:`.averager`, each
+   bucket owning its layout and trip in :mod:`.bucket`); with overlap, most
+   buckets already left during backward (:mod:`.overlap`), and step 1
+   confirms they held the right tensors.
 
 With overlap, the agreement header travels as riders of the last bucket: the
 digest floats of :func:`~.agreement.digest_floats` (in pieces the wire sums
@@ -31,7 +32,7 @@ its hooks; a bucket is packed by one flatten in C++. The digest still rides
 in every header, so a worker whose tensors changed is caught at that very
 step, and every worker re-plans together. Each
 bucket keeps its buffer from step to step, with one view per member made
-once (:mod:`.resident`, as DDP's ``gradient_as_bucket_view``): a step copies
+once (:class:`~.bucket.ResidentBuffer`, as DDP's ``gradient_as_bucket_view``): a step copies
 the gradients in with one call, and points each ``.grad`` at the view it had
 last step. Pyro replaces every ``.grad`` with fresh zeros after a step and
 torch's ``zero_grad`` sets it to ``None``, so the one copy into the bucket
@@ -66,7 +67,7 @@ class ExchangePlan:
     what it holds:
 
     * ``proposal``: this worker's proposal, made again once its new tensors
-      have been synchronised (then nothing is new);
+      have been synchronised (then nothing is new: ``Settlement.proposal``);
     * ``step`` and ``buckets``: the step last agreed on and its buckets (with
       their resident buffers), planned again only when the agreed tensors
       differ from the last step's (workers that disagree, a borrowed tensor);
@@ -138,7 +139,7 @@ class GradientSync:
         self._world_size = engine.world_size
         self._agreement = ParameterAgreement(engine, cap_bytes, catalog_name)
         self._averager = GradientAverager(engine, cap_bytes, reduction, measure_norms)
-        self._overlap = BackwardOverlap(engine, self._averager) if overlap else None
+        self._overlap = BackwardOverlap(engine) if overlap else None
         self._last_buckets: BucketPlan | None = None
         self._era = 0  # how many times forget() was called
 
@@ -185,15 +186,15 @@ class GradientSync:
         flag = int(nonfinite_here)
         if overlap is None or not overlap.armed:
             settlement = self._agreement.settle(proposal, catalog, [flag])
+            plan.proposal = settlement.proposal
             step, nonfinite_somewhere = settlement.step, settlement.riders[0] > 0
-            finite = self._averager.average_(self._buckets(plan, step))
+            buckets = self._buckets(plan, step)
+            finite = self._averager.average_(buckets)
         else:
-            step, finite, nonfinite_somewhere = self._exchange_overlapped(
+            step, buckets, finite, nonfinite_somewhere = self._exchange_overlapped(
                 plan, catalog, overlap, flag
             )
-        if proposal.new:  # synchronised now: nothing is new any more
-            plan.proposal = self._agreement.propose(plan.given)
-        buckets = self._last_buckets = self._buckets(plan, step)
+        self._last_buckets = buckets
         if overlap is not None:
             overlap.after_step(buckets)
         # The buckets' tuples, which are the same objects while the tensors are
@@ -220,33 +221,38 @@ class GradientSync:
 
     def _exchange_overlapped(
         self, plan: ExchangePlan, catalog: Catalog, overlap: BackwardOverlap, flag: int
-    ) -> tuple[StepParams, bool, bool]:
-        """The step, whether its averages are finite, and whether some worker's
-        ``flag`` (a non-finite gradient that does not travel) was raised."""
+    ) -> tuple[StepParams, BucketPlan, bool, bool]:
+        """The step, its buckets, whether its averages are finite, and whether
+        some worker's ``flag`` (a non-finite gradient that does not travel) was
+        raised."""
         proposal = plan.proposal
         # Every bucket leaves before the header, on every worker alike; the
         # header then says whether they held the right tensors.
         overlap.send_remaining()
         stale = overlap.stale_flags()
+        settlement = None
         if overlap.carrier is not None:
             digest = proposal.floats_in(overlap.digest_bits)
             summed = overlap.send_carrier([*digest, *stale, flag])
-            unanimous = digests_equal(summed[: len(digest)], self._world_size)
+            agreed = digests_equal(summed[: len(digest)], self._world_size) and not proposal.new
             resend = [int(value > 0) for value in summed[len(digest) : -1]]
             raised = summed[-1] > 0
-            if unanimous and not proposal.new:
-                step = self._agreement.accept(proposal)
-                if overlap.sends(self._buckets(plan, step)):
-                    return step, overlap.finish(resend), raised
-            overlap.discard()
-            step = self._agreement.settle(proposal, catalog).step
+            if not agreed:
+                overlap.discard()
+                settlement = self._agreement.settle(proposal, catalog)
         else:
             settlement = self._agreement.settle(proposal, catalog, [*stale, flag])
-            step, raised = settlement.step, settlement.riders[-1] > 0
-            if settlement.unchanged and overlap.sends(self._buckets(plan, step)):
-                return step, overlap.finish(resend=settlement.riders[:-1]), raised
-            overlap.discard()
-        return step, self._averager.average_(self._buckets(plan, step)), raised
+            agreed, resend = settlement.unchanged, settlement.riders[:-1]
+            raised = settlement.riders[-1] > 0
+        if settlement is None:
+            step = self._agreement.accept(proposal)
+        else:
+            plan.proposal, step = settlement.proposal, settlement.step
+        buckets = self._buckets(plan, step)
+        if agreed and overlap.sends(buckets):
+            return step, buckets, overlap.finish(resend), raised
+        overlap.discard()
+        return step, buckets, self._averager.average_(buckets), raised
 
     def average_alone_(self, tensor: Tensor) -> Tensor:
         """``tensor``, in place, as the exchange would average it if every other
@@ -257,7 +263,8 @@ class GradientSync:
     def squared_norms(self) -> tuple[float, float]:
         """``(mean_i |g_i|^2, |mean_i g_i|^2)`` of the last exchange (needs
         ``measure_norms``); a collective when a bucket could not carry its norm."""
-        return self._averager.squared_norms()
+        assert self._last_buckets is not None, "no exchange yet"
+        return self._averager.squared_norms(self._last_buckets)
 
     def forget(self) -> None:
         """Treat every tensor as new again and drop the overlap's plan (after the

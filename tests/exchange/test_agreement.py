@@ -18,6 +18,7 @@ from pyro_distributed.exchange.agreement import (
     DIGEST_FLOATS,
     MAX_SUMMED_WORKERS,
     ParameterAgreement,
+    broadcast_values_,
     digest_bits,
     digest_floats,
     digests_equal,
@@ -251,3 +252,15 @@ def test_what_is_new_follows_the_synchronised_tensors() -> None:
     assert agreement.propose(given).digest == steady.digest
     agreement.forget()
     assert agreement.propose(given).new == ("a", "b")
+
+
+def _broadcast_from_worker_zero() -> list[list[float]]:
+    rank = pd.rank()
+    tensors = [torch.full((2,), float(rank)), torch.full((3,), 10.0 + rank), torch.tensor(rank)]
+    broadcast_values_(pd.current_engine(), tensors, cap_bytes=8)  # several buffers
+    return [t.reshape(-1).tolist() for t in tensors]
+
+
+def test_broadcast_values_gives_every_worker_worker_zeros_values_in_place() -> None:
+    for values in run_workers(_broadcast_from_worker_zero, world_size=3):
+        assert values == [[0.0, 0.0], [10.0, 10.0, 10.0], [0]]

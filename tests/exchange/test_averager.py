@@ -50,8 +50,9 @@ def averager_norms(op: str, predivide: float) -> tuple[tuple[float, float], tupl
     exact = exact_norms(torch.cat([p.grad.reshape(-1) for p in params]))  # type: ignore[union-attr]
     reduction = Reduction(op=op, predivide=predivide)  # type: ignore[arg-type]
     averager = GradientAverager(engine, 2**20, reduction, measure_norms=True)
-    assert averager.average_(averager.plan(["a", "b"], params))
-    return averager.squared_norms(), exact
+    plan = averager.plan(["a", "b"], params)
+    assert averager.average_(plan)
+    return averager.squared_norms(plan), exact
 
 
 @pytest.mark.parametrize(("op", "predivide"), [("mean", 2.0), ("sum", 1.0)])

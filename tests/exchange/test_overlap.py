@@ -246,7 +246,7 @@ def test_the_same_plan_handed_over_again_arms_and_another_starts_over() -> None:
     # tensors, gets hooks of its own and observes one step again.
     engine = pd.current_engine()
     averager = GradientAverager(engine, 1 << 20, Reduction())
-    overlap = BackwardOverlap(engine, averager)
+    overlap = BackwardOverlap(engine)
     params = (torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True))
     plan = averager.plan(("a", "b"), params)
     overlap.after_step(plan)
