@@ -4,7 +4,8 @@ A front end (:mod:`pyro_distributed.optim`) hands the exchange a list of named
 tensors once per step; the exchange agrees with every other worker on which
 tensors take part (:mod:`.agreement`), packs their gradients into a few fused
 buckets (:mod:`.bucket`: each owns its layout, buffer and trip), averages them
-(:mod:`.averager`, optionally compressed, :mod:`.compression`), starts the
+(:mod:`.averager`, scaled and optionally compressed on the wire,
+:mod:`.wire`, :mod:`.compression`), starts the
 buckets while backward is still running (:mod:`.overlap`), and writes the
 averages back into ``.grad``. :class:`GradientSync` owns all of it, so a
 second front end calls one object instead of re-implementing the trip.
@@ -18,9 +19,9 @@ the same way).
 
 from .agreement import Catalog
 from .averager import Reduction
-from .bucket import Compressor
 from .compression import Compression, compressor
 from .sync import Exchanged, ExchangePlan, GradientSync
+from .wire import Compressor
 
 __all__ = [
     "Catalog",

@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from ..engines import Engine
-from .bucket import Bucket, Compressor, Wire, plan_layouts
+from .bucket import Bucket, plan_layouts
+from .wire import Compressor, Wire
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ class GradientAverager:
 
     def average_alone_(self, tensor: Tensor) -> Tensor:
         """``tensor``, in place, as averaging it with W-1 zero contributions
-        leaves it (:meth:`.bucket.Wire.average_alone_`); no communication."""
+        leaves it (:meth:`.wire.Wire.average_alone_`); no communication."""
         return self._wire.average_alone_(tensor)
 
     def squared_norms(self, plan: BucketPlan) -> tuple[float, float]:

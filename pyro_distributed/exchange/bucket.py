@@ -20,7 +20,7 @@ out as::
 :class:`Layout` is the only code that knows these positions. A
 :class:`Bucket` owns one layout's trip: its members, its buffer kept from
 step to step (:class:`ResidentBuffer`), packing, the wire's encoding
-(:class:`Wire`, shared by a plan's buckets), sending, receiving, and
+(:class:`~.wire.Wire`, shared by a plan's buckets), sending, receiving, and
 pointing each member's ``.grad`` at its average. The averager sends all of
 a plan's buckets in one call (:meth:`Bucket.outgoing`, then
 :meth:`Bucket.receive`); the overlap sends them one at a time during
@@ -55,7 +55,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -70,17 +70,7 @@ from ..torch_internals import (
     grad_stamp,
     unflatten_dense,
 )
-
-
-class Compressor(Protocol):
-    """Turns a buffer into what goes on the wire and back.
-
-    Horovod's ``hvd.Compression.none`` and ``hvd.Compression.fp16`` have this shape.
-    """
-
-    def compress(self, tensor: Tensor) -> tuple[Tensor, Any]: ...
-
-    def decompress(self, tensor: Tensor, ctx: Any) -> Tensor: ...
+from .wire import Wire
 
 
 @dataclass(frozen=True)
@@ -226,97 +216,6 @@ def _layout(
 ) -> Layout:
     numels = [tensors[i].numel() for i in members]
     return Layout(device, dtype, tuple(members), numels, norm_slot)
-
-
-class Wire:
-    """What a bucket becomes on the wire, where it is summed, and back.
-
-    :param op: ``"mean"`` or ``"sum"``; :param predivide: see
-    :class:`~.averager.Reduction`; :param compression: applied to each packed
-    bucket before it travels; :param world_size: the number of workers.
-    """
-
-    def __init__(
-        self,
-        op: Literal["mean", "sum"],
-        predivide: float,
-        compression: Compressor | None,
-        world_size: int,
-    ) -> None:
-        self.compression = compression
-        self.world_size = world_size
-        self._to_mean = float(world_size) if op == "sum" else 1.0
-        # Factors before and after summation, without and with a narrowing
-        # compression: fixed for the world size, so worked out once.
-        self._plain = _scales(op, predivide, world_size, narrowed=False)
-        self._narrowed = _scales(op, predivide, world_size, narrowed=True)
-
-    def encode(self, flat: Tensor, riders: int = 0) -> tuple[Tensor, Any]:
-        """Scale (and compress) a packed bucket for the wire, where it is summed.
-
-        The last ``riders`` values of ``flat`` are left out of the scaling:
-        small integers, which a cast to the wire's type keeps exact, so that
-        their sum stays exact (:meth:`riders_dtype`).
-        """
-        compression = self.compression
-        narrowed = compression is not None and compression.compress(flat[:1])[0].dtype != flat.dtype
-        pre = (self._narrowed if narrowed else self._plain)[0]
-        _scaled(flat[: flat.numel() - riders] if riders else flat, pre)
-        if compression is None:
-            return flat, None
-        return compression.compress(flat)
-
-    def decode(self, wire: Tensor, context: Any) -> Tensor:
-        """The summed wire tensor back as an averaged flat bucket."""
-        compression = self.compression
-        if compression is None:
-            return _scaled(wire, self._plain[1])
-        restored = compression.decompress(wire, context)
-        narrowed = wire.dtype != restored.dtype
-        return _scaled(restored, (self._narrowed if narrowed else self._plain)[1])
-
-    def average_alone_(self, tensor: Tensor) -> Tensor:
-        """``tensor``, in place, as averaging it with W-1 zero contributions leaves it.
-
-        The same scaling and compression as a bucket's (:meth:`encode`, then
-        :meth:`decode`), since a sum that adds exact zeros changes nothing: a
-        gradient that never travels (a local parameter's) comes out bitwise
-        as the exchange would have averaged it, for every ``op``,
-        ``predivide`` and compression.
-        """
-        wire, context = self.encode(tensor)
-        averaged = self.decode(wire, context)
-        return averaged if averaged is tensor else tensor.copy_(averaged)
-
-    def to_mean(self) -> float:
-        """What turns a decoded value into a mean over workers: the divisor."""
-        return self._to_mean
-
-    def riders_dtype(self, layout: Layout) -> torch.dtype | None:
-        """The type riders travel in, in a bucket of ``layout``: the wire's; or
-        ``None`` where a compressor changes the shape of what it sends, and
-        riders cannot ride.
-
-        The riders are left out of any scaling (:meth:`encode`), cast with the
-        bucket, and read from the summed wire before it is decoded, so this
-        type and the number of workers alone decide whether their sum is
-        exact (:func:`~.agreement.digest_bits`).
-        """
-        probe = torch.zeros(2, dtype=layout.dtype, device=layout.device)
-        wire = probe if self.compression is None else self.compression.compress(probe)[0]
-        return wire.dtype if wire.shape == probe.shape else None
-
-
-def _scales(
-    op: Literal["mean", "sum"], predivide: float, world_size: int, narrowed: bool
-) -> tuple[float, float]:
-    """Factors applied before and after summation. A narrowing compression
-    divides by the whole world size before the sum, which then cannot
-    overflow the narrow type."""
-    if op == "sum":
-        return 1.0, 1.0
-    before = world_size if narrowed else predivide
-    return 1.0 / before, before / world_size
 
 
 class ResidentBuffer:
@@ -490,8 +389,8 @@ class Bucket:
         return self._unpack(flat, in_flight.tail)
 
     def riders_dtype(self) -> torch.dtype | None:
-        """The type riders travel in here, or ``None`` (:meth:`Wire.riders_dtype`)."""
-        return self._wire.riders_dtype(self.layout)
+        """The type riders travel in here, or ``None`` (:meth:`.wire.Wire.riders_dtype`)."""
+        return self._wire.riders_dtype(self.layout.dtype, self.layout.device)
 
     def wait(self) -> None:
         """Wait for a sum on the wire, if one is."""
@@ -538,10 +437,6 @@ def _all_finite(flat: Tensor) -> bool:
     then each value is checked.
     """
     return math.isfinite(flat.sum().item()) or bool(torch.isfinite(flat).all())
-
-
-def _scaled(tensor: Tensor, factor: float) -> Tensor:
-    return tensor.mul_(factor) if factor != 1.0 else tensor
 
 
 def _changed_in_place(layout: Layout, tensors: Sequence[Tensor]) -> str:

@@ -36,7 +36,7 @@ What keeps this exact, and keeps workers' collectives paired:
   flags in its sum, so a step costs no collective beyond its buckets. The
   header is left out of any scaling and cast with the bucket, in pieces small
   enough that its sum is exact in the wire's type
-  (:meth:`~pyro_distributed.exchange.bucket.Wire.riders_dtype` and
+  (:meth:`~pyro_distributed.exchange.wire.Wire.riders_dtype` and
   :func:`~pyro_distributed.exchange.agreement.digest_bits`: 8-bit pieces in
   float32, 4-bit ones in float16 up to 9 workers); only where no piece is
   small enough (a wire type without exact integers, or too many workers for

@@ -13,7 +13,8 @@ import torch
 
 import pyro_distributed as pd
 from pyro_distributed.exchange.averager import GradientAverager, Reduction
-from pyro_distributed.exchange.bucket import Layout, Wire, plan_layouts
+from pyro_distributed.exchange.bucket import Layout, plan_layouts
+from pyro_distributed.exchange.wire import Wire
 
 from ..harness import run_workers
 
