@@ -197,7 +197,8 @@ class BackwardOverlap:
             param.register_post_accumulate_grad_hook(_hook(ref, index))  # type: ignore[no-untyped-call]
             for index, param in enumerate(params)
         )
-        self._phase = "observing"
+        # Nothing to send (every parameter local to its worker): nothing to arm.
+        self._phase = "observing" if buckets else "idle"
 
     def _arm(self) -> None:
         """Adopt worker 0's order of readiness; a collective, made by every worker at once."""

@@ -256,3 +256,15 @@ def test_the_same_plan_handed_over_again_arms_and_another_starts_over() -> None:
     again = averager.plan(("a", "b"), params)
     overlap.after_step(again)
     assert not overlap.armed and overlap.sends(again) and not overlap.sends(plan)
+
+
+def test_a_plan_with_nothing_to_send_never_arms() -> None:
+    # Every parameter local to its worker: the exchange has no tensor, and the
+    # overlap stays idle step after step instead of arming on no buckets.
+    engine = pd.current_engine()
+    averager = GradientAverager(engine, 1 << 20, Reduction())
+    overlap = BackwardOverlap(engine)
+    empty = averager.plan((), ())
+    for _ in range(3):
+        overlap.after_step(empty)
+        assert not overlap.armed and overlap.sends(empty)
