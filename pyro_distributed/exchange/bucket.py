@@ -270,7 +270,6 @@ class _InFlight:
 
     wire: Tensor
     context: Any
-    riders: int
     pending: Pending | None  # None once summed
     #: The members' gradients when it left (to tell if one changed since).
     grads: list[GradStamp]
@@ -351,7 +350,7 @@ class Bucket:
         flat = self.pack(riders)
         stamps = [grad_stamp(member) for member in self._members] if watch else []
         wire, context = self._wire.encode(flat, len(riders))
-        self._in_flight = _InFlight(wire, context, len(riders), None, stamps)
+        self._in_flight = _InFlight(wire, context, None, stamps)
         return wire
 
     def send(self, channel: Engine, riders: Sequence[float] = (), watch: bool = True) -> None:

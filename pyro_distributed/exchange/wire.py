@@ -48,7 +48,6 @@ class Wire:
         world_size: int,
     ) -> None:
         self.compression = compression
-        self.world_size = world_size
         self._to_mean = float(world_size) if op == "sum" else 1.0
         # Factors before and after summation, without and with a narrowing
         # compression: fixed for the world size, so worked out once.

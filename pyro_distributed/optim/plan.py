@@ -37,7 +37,7 @@ the last step, so nothing is made again; when they agreed on other tensors
 and the buffer groups are made again for them.
 
 **What a caller may not change.** Nothing a plan holds: not its tuples, not
-its dicts (``named``, ``replicated``, ``local``), which are handed on to the
+its dicts (``replicated``, ``local``), which are handed on to the
 exchange and the optimizer as they are. A front end whose tensors change
 gives a new key.
 """
@@ -63,8 +63,7 @@ class StepPlan:
     tensors: tuple[Tensor, ...]
     #: The local registry's generation when the plan was made.
     generation: int
-    #: Every tensor by the name every worker shares, then split (at the first exchange).
-    named: dict[str, Tensor] = field(default_factory=dict)
+    #: The tensors by the names every worker shares, split (at the first exchange).
     replicated: dict[str, Tensor] = field(default_factory=dict)
     local: dict[str, Tensor] = field(default_factory=dict)
     #: The exchange's part (at the first exchange; ``None`` with one worker).

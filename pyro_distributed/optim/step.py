@@ -235,8 +235,7 @@ class DataParallelStep:
         sync, local_gradients = self._sync, self._local
         assert sync is not None and local_gradients is not None  # start() said so
         if plan.exchange is None:  # the plan's first exchange
-            plan.named = self._owner._named(plan.tensors)
-            plan.replicated, plan.local = split_local(plan.named)
+            plan.replicated, plan.local = split_local(self._owner._named(plan.tensors))
             plan.exchange = sync.plan(plan.replicated)
         local = plan.local
         local_finite = True
