@@ -17,6 +17,8 @@ once per extra worker) and writes its abundances to ``--out``.
 ``--write-h5ad FILE`` writes the data set to an ``.h5ad`` (CSR counts); with
 ``--h5ad FILE`` a run reads it back through ``read_h5ad_by_rows``, each
 worker reading its own spots' counts only (``--in-memory``: all of it).
+With ``--results FILE`` the owners write the abundances into ``FILE`` (an
+``.h5ad``) block by block instead of joining them for ``export_posterior``.
 """
 
 from __future__ import annotations
@@ -167,14 +169,33 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     reads["train"] = _reads(adata)
     held = _spots_held(model)
-    if args.mode == "owned":  # each worker summarises its own spots
+    if args.mode == "owned" and args.results:  # summarised and written by the owners
+        abundance = write_by_owners(model, args.results)
+    elif args.mode == "owned":  # each worker summarises its own spots
         with owned_posterior(model):
             model.export_posterior(adata, use_quantiles=True, add_to_obsm=["q50"])
+        abundance = adata.obsm["q50_cell_abundance_w_sf"].to_numpy()
     else:
         model.export_posterior(adata, use_quantiles=True, add_to_obsm=["q50"])
+        abundance = adata.obsm["q50_cell_abundance_w_sf"].to_numpy()
     reads["export"] = _reads(adata)
-    abundance = adata.obsm["q50_cell_abundance_w_sf"].to_numpy()
     return {"abundance": abundance, "seconds": seconds, "spots_held": held, "reads": reads}
+
+
+def write_by_owners(model: Any, path: str) -> np.ndarray:
+    """The median abundances, each worker's spots summarised and written into
+    ``path`` (an ``.h5ad``) by their owner, without joining them anywhere;
+    read back whole (for the comparison only)."""
+    import anndata
+
+    from pyro_distributed.lightning.obsm_writer import write_owned_obsm
+    from pyro_distributed.lightning.posterior import owned_posterior
+
+    with owned_posterior(model, to="owners"):
+        median = model.posterior_quantile(q=0.5)  # export_posterior's call; this worker's spots
+    key = "q50_cell_abundance_w_sf"
+    write_owned_obsm(path, {key: median["w_sf"]}, obs_names=model.adata.obs_names)
+    return np.asarray(anndata.read_h5ad(path).obsm[key])
 
 
 def write_h5ad(args: argparse.Namespace) -> None:
@@ -366,6 +387,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--h5ad", default=None, help="train on this file, read by rows")
     parser.add_argument("--in-memory", action="store_true", help="read --h5ad whole instead")
     parser.add_argument("--write-h5ad", default=None, help="write the data set here and stop")
+    parser.add_argument(
+        "--results", default=None, help="owned: the owners write the abundances into this .h5ad"
+    )
     return parser.parse_args(argv)
 
 

@@ -11,14 +11,16 @@ from that worker in turn and copied into place. A receiver holds the result
 plus one piece at a time, never every piece at once, and a worker that does
 not keep the result holds only one piece. Engines offer broadcasts, not
 point-to-point sends, so every piece reaches every worker; that costs
-bandwidth, not memory.
+bandwidth, not memory. :func:`stream_pieces` is the same trip with the
+joining left to a :class:`PieceSink`: a writer can put each piece in a
+file as it arrives and never hold the whole.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -55,27 +57,64 @@ def gather_pieces(
     :raises PyroDistributedError: on every worker, if workers hold different
         names, shapes that do not fit together, or differing shared results.
     """
+    keep = to == "all" or engine.rank == 0
+    joined = _Joined(pieces) if keep else None
+    stream_pieces(engine, pieces, axes, joined)
+    return joined.results if joined is not None else None
+
+
+class PieceSink(Protocol):
+    """Where :func:`stream_pieces` puts the pieces it receives."""
+
+    def start(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, axis: int) -> None:
+        """A joined result of this whole ``shape`` is about to arrive, piece by piece."""
+
+    def put(self, name: str, offset: int, piece: Tensor) -> None:
+        """``piece`` belongs at ``offset`` along the result's axis. It is
+        reused for the next piece: copy what you keep."""
+
+    def shared(self, name: str, value: Tensor) -> None:
+        """A result every worker holds whole and identical (this worker's copy)."""
+
+
+def stream_pieces(
+    engine: Engine,
+    pieces: Mapping[str, Tensor],
+    axes: Mapping[str, int | None],
+    sink: PieceSink | None,
+) -> None:
+    """Hand every worker's piece of each named result to ``sink``, in rank
+    order, one piece at a time (:func:`gather_pieces` without the joining).
+
+    A collective: every worker calls it with the same names; workers that
+    keep nothing pass ``sink=None`` and only send their own pieces. Raises
+    as :func:`gather_pieces` does, on every worker, before any piece travels.
+    """
     names = sorted(pieces)
     specs: list[dict[str, _Spec]] = engine.allgather_object(
         {name: _spec(pieces[name], axes[name] is None) for name in names}
     )
     _check_same_names(specs)
-    keep = to == "all" or engine.rank == 0
-    results: dict[str, Tensor] = {}
     for name in names:
         shapes = [spec[name][0] for spec in specs]
-        dtype = specs[0][name][1]
         axis = axes[name]
         if axis is None:
             # Every worker holds it, and the digests prove the copies equal:
             # nothing needs to travel.
             _check_shared(name, [spec[name][2] for spec in specs])
-            if keep:
-                results[name] = pieces[name].detach().clone()
+            if sink is not None:
+                sink.shared(name, pieces[name])
             continue
-        whole = _joined_shape(name, shapes, axis)
+        _check_fit(name, shapes, axis)
+    for name in names:
+        axis = axes[name]
+        if axis is None:
+            continue
+        shapes = [spec[name][0] for spec in specs]
+        dtype = specs[0][name][1]
+        if sink is not None:
+            sink.start(name, _joined_shape(shapes, axis), dtype, axis)
         device = pieces[name].device  # every worker's piece lives where its own does
-        result = torch.empty(whole if keep else 0, dtype=dtype, device=device)
         offset = 0
         for src, shape in enumerate(shapes):
             length = shape[axis]
@@ -86,12 +125,30 @@ def gather_pieces(
                     else torch.empty(shape, dtype=dtype, device=device)
                 )
                 _broadcast(engine, piece, src)
-                if keep:
-                    result.narrow(axis, offset, length).copy_(piece)
+                if sink is not None:
+                    sink.put(name, offset, piece)
             offset += length
-        if keep:
-            results[name] = result
-    return results if keep else None
+
+
+class _Joined:
+    """A sink that joins the pieces into whole tensors in memory."""
+
+    def __init__(self, pieces: Mapping[str, Tensor]) -> None:
+        self._pieces = pieces
+        self._axes: dict[str, int] = {}
+        self.results: dict[str, Tensor] = {}
+
+    def start(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, axis: int) -> None:
+        device = self._pieces[name].device
+        self.results[name] = torch.empty(shape, dtype=dtype, device=device)
+        self._axes[name] = axis
+
+    def put(self, name: str, offset: int, piece: Tensor) -> None:
+        axis = self._axes[name]
+        self.results[name].narrow(axis, offset, piece.shape[axis]).copy_(piece)
+
+    def shared(self, name: str, value: Tensor) -> None:
+        self.results[name] = value.detach().clone()
 
 
 def _broadcast(engine: Engine, tensor: Tensor, src: int) -> None:
@@ -122,7 +179,7 @@ def _check_shared(name: str, digests: list[str | None]) -> None:
         )
 
 
-def _joined_shape(name: str, shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
+def _check_fit(name: str, shapes: list[tuple[int, ...]], axis: int) -> None:
     first = shapes[0]
     if not first:
         raise PyroDistributedError(f"{name!r} is a scalar on worker 0; it cannot be joined")
@@ -135,7 +192,11 @@ def _joined_shape(name: str, shapes: list[tuple[int, ...]], axis: int) -> tuple[
                 f"the pieces of {name!r} do not fit together along axis {axis}: "
                 f"shape {first} on worker 0, {shape} on worker {rank}"
             )
+
+
+def _joined_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
+    position = axis % len(shapes[0])
     return tuple(
         sum(shape[position] for shape in shapes) if dim == position else size
-        for dim, size in enumerate(first)
+        for dim, size in enumerate(shapes[0])
     )

@@ -10,7 +10,11 @@ block (its data and its parameters), turns its samples into summaries there
 (means, standard deviations, quantiles), and only the summaries travel,
 joined along the observation plate in the AnnData's order. Global sites'
 summaries are worker 0's. No worker ever holds another worker's samples,
-nor every observation's.
+nor every observation's. With ``to="owners"`` the summaries are not joined
+either: each worker keeps its block's, and
+:func:`~pyro_distributed.lightning.obsm_writer.write_owned_obsm` writes
+them into an ``.h5ad`` file block by block, so that no worker ever holds
+every spot's summaries (at Visium HD sizes they are hundreds of MB each).
 
 Example::
 
@@ -28,23 +32,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from .. import runtime
 from ..data.subsample import shard_subsamples
-from ..gather import Destination, gather_pieces
+from ..gather import gather_pieces
 from ..partition import block_range
 
 __all__ = ["owned_posterior"]
 
 Summaries = dict[str, Any]
+#: Where the plate's summaries go: joined on every worker, joined on worker 0,
+#: or left with their owners (each worker its block's, in the AnnData's order).
+SummariesTo = Literal["all", "main", "owners"]
 
 
 @contextmanager
-def owned_posterior(model: Any, *, to: Destination = "all") -> Iterator[Any]:
+def owned_posterior(model: Any, *, to: SummariesTo = "all") -> Iterator[Any]:
     """Make ``model.sample_posterior`` and (where the model has it)
     ``model.posterior_quantile`` summarise each worker's block where it lives.
 
@@ -85,7 +92,7 @@ def owned_posterior(model: Any, *, to: Destination = "all") -> Iterator[Any]:
 
 
 def _quantiles(
-    model: Any, block: np.ndarray, engine: Any, to: Destination
+    model: Any, block: np.ndarray, engine: Any, to: SummariesTo
 ) -> Callable[..., Summaries | None]:
     """cell2location's ``posterior_quantile`` over this worker's block (its
     full-batch form: every guide's quantiles of one block at once)."""
@@ -115,9 +122,14 @@ def _plate_sites(model: Any, block: np.ndarray) -> dict[str, int]:
     return sites
 
 
-def _join(engine: Any, values: Summaries, sites: dict[str, int], to: Destination) -> Summaries:
+def _join(engine: Any, values: Summaries, sites: dict[str, int], to: SummariesTo) -> Summaries:
     """Every worker's summaries of the plate's sites joined in rank order (the
-    AnnData's order, as blocks are), the other sites worker 0's."""
+    AnnData's order, as blocks are), or each worker's own with ``"owners"``;
+    the other sites worker 0's."""
+    shared = {name: v for name, v in values.items() if name not in sites}
+    shared = engine.allgather_object(shared)[0] if to != "main" else shared
+    if to == "owners":
+        return {name: values[name] if name in sites else shared[name] for name in values}
     # cpu: the summaries arrive as NumPy arrays and travel from host memory.
     local = {
         name: torch.as_tensor(np.asarray(v), device="cpu")
@@ -126,8 +138,6 @@ def _join(engine: Any, values: Summaries, sites: dict[str, int], to: Destination
     }
     axes: dict[str, int | None] = {name: _axis(sites[name], local[name]) for name in local}
     joined = gather_pieces(engine, local, axes, to) or {}
-    shared = {name: v for name, v in values.items() if name not in sites}
-    shared = engine.allgather_object(shared)[0] if to == "all" else shared
     out = {**shared, **{name: value.numpy() for name, value in joined.items()}}
     return {name: out[name] for name in values if name in out}
 

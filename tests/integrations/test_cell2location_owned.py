@@ -119,9 +119,14 @@ def test_each_worker_reads_only_its_spots_and_trains_as_from_memory(
     options = ["--h5ad", str(h5ad), "--epochs", str(epochs)]
     if batches == "mini-batches":
         options += ["--batch-size", "40"]  # 4 batches of each worker's 150 or 151 spots
-    by_rows = train(tmp_path, "by-rows", *options)
+    # Read by rows, the owners also write the abundances into a file block by
+    # block (write_owned_obsm); whole, export_posterior joins them in memory.
+    results = tmp_path / "abundances.h5ad"
+    by_rows = train(tmp_path, "by-rows", *options, "--results", str(results))
     whole = train(tmp_path, "whole", *options, "--in-memory")
+    assert results.exists()
     # The same counts, the same arithmetic: the same abundances, bitwise.
+    assert by_rows["abundance"].shape == (SPOTS, TYPES)
     assert np.array_equal(by_rows["abundance"], whole["abundance"])
     assert by_rows["held"] == whole["held"] == [150, 151]
     for block, reads in zip([(0, 150), (150, 301)], by_rows["reads"], strict=True):
