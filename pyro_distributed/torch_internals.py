@@ -18,6 +18,18 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.distributed_c10d import PrefixStore as _PrefixStore
 
+if torch.distributed.is_available():
+    # torch.distributed.nn.functional evaluates ``group.WORLD`` into its
+    # functions' defaults when it is first imported, and torch.optim imports it
+    # (through torch._dynamo) when the first optimizer is made, often after the
+    # process group. Its defaults then hold that group past
+    # destroy_process_group, with the group's threads, until the interpreter
+    # finalises; a thread still releasing a finished collective's tensors then
+    # takes the GIL and aborts the process ("terminate called without an active
+    # exception", seen after training had ended). Imported here, before this
+    # library makes any group, its defaults hold None.
+    import torch.distributed.nn.functional
+
 #: A store that prefixes every key. torch exports it from ``torch.distributed``
 #: but documents it nowhere; the torch engine uses it to give every attempt at
 #: joining a process group keys of its own on a shared TCP store.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Sequence
 from contextlib import suppress
 from datetime import timedelta
@@ -105,6 +106,9 @@ class TorchEngine(Engine):
         if self._local_rank < 0:
             self._local_rank = self._rank
         self._backend = str(dist.get_backend())
+        # Channels (open_channel) share this set, so that shutdown reaches them.
+        self._channels: weakref.WeakSet[TorchEngine] = weakref.WeakSet()
+        self._shut = False
         self._cpu_group = self._group_for_cpu_tensors()
         self._cuda_group: Any = None  # the default group, when it has NCCL
         self._learn_peers()
@@ -195,6 +199,10 @@ class TorchEngine(Engine):
         return self._world_size
 
     def _group(self, tensor: Tensor) -> Any:
+        if self._shut:
+            raise PyroDistributedError(
+                "this engine was shut down (pd.shutdown()); start another with pd.init()"
+            )
         device = tensor.device.type
         if device == "cpu":
             return self._cpu_group
@@ -228,6 +236,7 @@ class TorchEngine(Engine):
                 channel._cuda_group = dist.new_group(
                     backend=self._cuda_backend, timeout=self._timeout
                 )
+        self._channels.add(channel)
         return channel
 
     def broadcast_(self, tensors: Sequence[Tensor], src: int = 0) -> None:
@@ -260,12 +269,32 @@ class TorchEngine(Engine):
         # peer's is still open can abort the slower process ("terminate called
         # without an active exception"). After a failure, or when the script
         # is dying of an uncaught exception, leave at once: peers then see the
-        # connection drop instead of waiting.
+        # connection drop instead of waiting. The group's threads are not
+        # joined then (one may be blocked on the lost peer until gloo's
+        # time-out): the process is leaving anyway.
         dying = hasattr(sys, "last_value") or sys.exc_info()[0] is not None
-        if not (self._health.failed or dying):
-            with suppress(RuntimeError):
-                dist.monitored_barrier(timeout=min(self._timeout, timedelta(seconds=10)))
+        if self._health.failed or dying:
+            _LEFT_BEHIND.append(dist.group.WORLD)
+            dist.destroy_process_group()
+            return
+        with suppress(RuntimeError):
+            dist.monitored_barrier(timeout=min(self._timeout, timedelta(seconds=10)))
         dist.destroy_process_group()
+        self._release_groups()
+
+    def _release_groups(self) -> None:
+        """Drop this engine's and its channels' references to their groups, the
+        last ones once the groups are destroyed, so that each group's threads
+        are joined now. A group that lives on until the interpreter finalises
+        can abort the process at exit, when one of its threads releases a
+        finished collective's tensors and takes the GIL."""
+        for engine in [self, *self._channels]:
+            engine._cpu_group = engine._cuda_group = None
+            engine._shut = True
+
+
+#: Groups left when leaving after a failure (see :meth:`TorchEngine.shutdown`).
+_LEFT_BEHIND: list[Any] = []
 
 
 def _store_of_this_attempt(url: str, timeout: timedelta, prefix: str) -> tuple[Any, int, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,3 +58,45 @@ def test_non_cpu_tensors_on_a_gloo_only_group_are_refused() -> None:
     # No GPU here: a "meta" tensor takes the same path a CUDA tensor would.
     message = run_workers(non_cpu_tensor_on_gloo)[0]
     assert "a meta tensor cannot travel on this process group (backend 'gloo'" in message
+
+
+def _threads_after_shutdown() -> tuple[list[str], str]:
+    """Train a few overlapped steps (the overlap opens a channel, a second gloo
+    group), shut down, and list this process's gloo threads."""
+    import pyro
+    import pyro.distributions as dist
+    from pyro.infer import SVI, Trace_ELBO
+    from pyro.infer.autoguide import AutoNormal
+
+    def model(data: torch.Tensor) -> None:
+        loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(data)):
+            pyro.sample("obs", dist.Normal(loc, 1.0), obs=data)
+
+    data = torch.randn(8)
+    # The optimizer made after the group: torch.optim imports torch's
+    # functional collectives (through torch._dynamo) then, which once kept the
+    # default group alive in their defaults.
+    optimizer = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}), overlap=True)
+    svi = SVI(model, AutoNormal(model), optimizer, Trace_ELBO())
+    for _ in range(3):
+        svi.step(data)
+    engine = pd.current_engine()
+    pd.shutdown()
+    tasks = Path("/proc/self/task")
+    names = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
+    with pytest.raises(pd.PyroDistributedError) as refused:
+        engine.allreduce_([torch.zeros(1)])
+    return [name for name in names if "gloo" in name], str(refused.value)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through /proc")
+def test_shutdown_joins_every_gloo_thread_before_the_interpreter_finalises() -> None:
+    # A group left alive at exit can abort the process after training: one of
+    # its threads, releasing a finished collective's tensors, takes the GIL
+    # while the interpreter finalises ("terminate called without an active
+    # exception", seen after torchrun restarts). After shutdown no group's
+    # thread is left, the overlap's channel included.
+    for threads, refused in run_workers(_threads_after_shutdown):
+        assert threads == []
+        assert "this engine was shut down" in refused
