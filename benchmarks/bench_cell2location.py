@@ -13,7 +13,11 @@ fresh ``model.train()`` on CPU:
 * ``W=2 owned, by rows``: the same, the AnnData opened with
   ``read_h5ad_by_rows``: each worker reads its own spots' counts only;
 * ``W=2 replicated``: ``PyroDistributedStrategy()``: every worker steps
-  every spot's parameters, each on half the data (for reference).
+  every spot's parameters, each on half the data (for reference);
+* ``W=2 owned, by rows, global batch`` (with ``--batch-size B``): each
+  worker takes B/2 of its spots a step, so that a step covers B spots, as at
+  W=1 (Lightning's batch size is per worker: the other configurations take B
+  each, 2B a step).
 
 Each worker reports its peak resident memory (``ru_maxrss``), its resident
 memory just before ``model.train()`` (the interpreter, the libraries, the
@@ -54,8 +58,13 @@ CONFIGS = {
     "W=1": (1, "single", "memory"),
     "W=2 owned": (2, "owned", "memory"),
     "W=2 owned, by rows": (2, "owned", "by-rows"),
+    "W=2 owned, by rows, global batch": (2, "owned", "by-rows"),
     "W=2 replicated": (2, "replicated", "memory"),
 }
+#: Configurations whose workers each take --batch-size / W spots a step, so
+#: that a step covers as many spots as W=1's (the others take --batch-size
+#: each, as Lightning's batch size is per worker).
+GLOBAL_BATCH = {"W=2 owned, by rows, global batch"}
 
 
 def load_example() -> Any:
@@ -170,7 +179,9 @@ def run(
     command = [sys.executable, __file__, "--worker", "--data", str(data), "--out", str(out)]
     command += ["--devices", str(devices), "--mode", mode, "--read", read]
     command += ["--epochs", str(args.epochs), "--threads", str(args.threads), "--seed", str(seed)]
-    command += ["--batch-size", str(args.batch_size)] if args.batch_size else []
+    if args.batch_size:
+        per_worker = args.batch_size // devices if config in GLOBAL_BATCH else args.batch_size
+        command += ["--batch-size", str(per_worker)]
     command += ["--memory-cap", str(args.memory_cap)] if args.memory_cap else []
     command += ["--abundance"] if args.abundance else []
     env = {**os.environ, "PYTHONPATH": f"{HERE.parent}:{HERE}", "PYTHONWARNINGS": "ignore"}
