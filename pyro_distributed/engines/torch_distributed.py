@@ -198,14 +198,19 @@ class TorchEngine(Engine):
     def world_size(self) -> int:
         return self._world_size
 
-    def _group(self, tensor: Tensor) -> Any:
+    def _open_group(self) -> Any:
+        """The group for CPU tensors and objects, unless this engine was shut down."""
         if self._shut:
             raise PyroDistributedError(
                 "this engine was shut down (pd.shutdown()); start another with pd.init()"
             )
+        return self._cpu_group
+
+    def _group(self, tensor: Tensor) -> Any:
+        cpu_group = self._open_group()
         device = tensor.device.type
         if device == "cpu":
-            return self._cpu_group
+            return cpu_group
         if device == "cuda" and self._cuda_backend is not None:
             return self._cuda_group
         raise PyroDistributedError(
@@ -250,7 +255,7 @@ class TorchEngine(Engine):
     def allgather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self._world_size
         with self._collective("allgather of Python objects"):
-            dist.all_gather_object(gathered, obj, group=self._cpu_group)
+            dist.all_gather_object(gathered, obj, group=self._open_group())
         return gathered
 
     def barrier(self) -> None:
@@ -258,7 +263,7 @@ class TorchEngine(Engine):
             # monitored_barrier names the workers that did not arrive; it
             # needs gloo, which the CPU group always has.
             dist.monitored_barrier(
-                group=self._cpu_group, timeout=self._timeout, wait_all_ranks=True
+                group=self._open_group(), timeout=self._timeout, wait_all_ranks=True
             )
 
     def shutdown(self) -> None:

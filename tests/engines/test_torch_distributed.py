@@ -60,7 +60,7 @@ def test_non_cpu_tensors_on_a_gloo_only_group_are_refused() -> None:
     assert "a meta tensor cannot travel on this process group (backend 'gloo'" in message
 
 
-def _threads_after_shutdown() -> tuple[list[str], str]:
+def _threads_after_shutdown() -> tuple[list[str], list[str]]:
     """Train a few overlapped steps (the overlap opens a channel, a second gloo
     group), shut down, and list this process's gloo threads."""
     import pyro
@@ -85,9 +85,16 @@ def _threads_after_shutdown() -> tuple[list[str], str]:
     pd.shutdown()
     tasks = Path("/proc/self/task")
     names = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
-    with pytest.raises(pd.PyroDistributedError) as refused:
-        engine.allreduce_([torch.zeros(1)])
-    return [name for name in names if "gloo" in name], str(refused.value)
+    refusals = []
+    for collective in (
+        lambda: engine.allreduce_([torch.zeros(1)]),
+        lambda: engine.allgather_object(1),
+        engine.barrier,
+    ):
+        with pytest.raises(pd.PyroDistributedError) as refused:
+            collective()
+        refusals.append(str(refused.value))
+    return [name for name in names if "gloo" in name], refusals
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through /proc")
@@ -97,6 +104,6 @@ def test_shutdown_joins_every_gloo_thread_before_the_interpreter_finalises() -> 
     # while the interpreter finalises ("terminate called without an active
     # exception", seen after torchrun restarts). After shutdown no group's
     # thread is left, the overlap's channel included.
-    for threads, refused in run_workers(_threads_after_shutdown):
+    for threads, refusals in run_workers(_threads_after_shutdown):
         assert threads == []
-        assert "this engine was shut down" in refused
+        assert all("this engine was shut down" in refused for refused in refusals), refusals
