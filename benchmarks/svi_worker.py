@@ -26,6 +26,7 @@ keeps the parameters inside the modules, ``Trace_ELBO()(model, guide)`` is an
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import re
@@ -650,6 +651,15 @@ def main() -> None:
         print(line, flush=True)
         if args.json_out is not None:
             args.json_out.write_text(line + "\n")
+    # DDP's reducer holds the process group, and drops it without letting go
+    # of the GIL: dropped after the group is destroyed, it joins gloo's
+    # threads while one of them waits for the GIL to free a finished
+    # all-gather's tensors, and the worker never exits (seen under load, and
+    # in 2 of 3 DDP runs beside two idle-priority CPU spinners). Released
+    # while the group is still registered, it drops a reference that is not
+    # the last; the group's own destructor lets go of the GIL.
+    del training
+    gc.collect()
     pyro_distributed.shutdown()
 
 
