@@ -168,8 +168,9 @@ def test_lightning_with_workers_on_loopback_stops_every_host_naming_them(tmp_pat
 
 
 #: The faults strike after this step: by then the exchange has opened its
-#: channel for the overlapped buckets (a process group of its own, made at the
-#: third step), so a fault hits training, not that set-up.
+#: channel for the overlapped buckets (a process group of its own, made early
+#: in training), so a fault hits training; the next test cuts a link during
+#: that set-up.
 FAULT_AFTER_STEP = 5
 
 
@@ -208,6 +209,33 @@ def test_a_lost_host_stops_every_survivor_within_the_time_out(
         assert code != 0
         assert "PyroDistributedError" in output, output[-4000:]
         assert f"worker {hosts - 1} on host {lost.name}" in output, output[-4000:]
+
+
+LATE_CHANNEL = ROOT / "tests" / "scripts" / "multihost_train_late_channel.py"
+
+
+def test_a_link_cut_while_the_channel_is_made_stops_every_survivor_within_the_time_out(
+    tmp_path: Path,
+) -> None:
+    """The other fault window: the exchange making its overlap channel (a new
+    process group, whose set-up waits for every worker). The last worker is
+    late to it (``multihost_train_late_channel.py``); its link goes down while
+    worker 0 waits inside the set-up."""
+    with NamespaceCluster(2) as cluster:
+        script = [str(LATE_CHANNEL), str(tmp_path), "100000", str(ENGINE_TIMEOUT)]
+        processes = _torchrun(cluster, tmp_path, steps=0, script=script)
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "channel1").exists():
+            if any(p.poll() is not None for p in processes) or time.monotonic() > deadline:
+                outputs = [p.communicate(timeout=30)[0][-3000:] for p in processes]
+                pytest.fail("the run ended or stalled before its channel:\n" + "\n".join(outputs))
+            time.sleep(0.1)
+        lost = cluster.hosts[-1]
+        cluster.cut_link(lost)
+        [(code, output, _)] = _finish(processes[:-1], within=ENGINE_TIMEOUT + 30)
+    assert code != 0
+    assert "PyroDistributedError: creating a process group failed" in output, output[-4000:]
+    assert f"worker 1 on host {lost.name}" in output, output[-4000:]
 
 
 REGRESSION = ROOT / "examples" / "bayesian_regression.py"
