@@ -46,6 +46,8 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule
 from pyro.optim import PyroOptim
+from spatial_workload import NAME as SPATIAL_NAME
+from spatial_workload import spatial_mapping
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -340,7 +342,8 @@ def small_tensors(name: str) -> int:
 
 def workload_name(name: str) -> str:
     """argparse type: a workload name that :func:`build_workload` accepts."""
-    if name not in ("large1m", "vae", WIDE_NAME, TINY_NAME) and not LOCAL_NAME.fullmatch(name):
+    named = name in ("large1m", "vae", WIDE_NAME, TINY_NAME)
+    if not (named or LOCAL_NAME.fullmatch(name) or SPATIAL_NAME.fullmatch(name)):
         try:
             small_tensors(name)
         except ValueError as exc:
@@ -570,7 +573,7 @@ def parse_args() -> argparse.Namespace:
         "--workload",
         type=workload_name,
         required=True,
-        help="small<N>, local<N>, tiny, wide40, large1m or vae",
+        help="small<N>, local<N>, spatial<N>x<G>, tiny, wide40, large1m or vae",
     )
     parser.add_argument("--optim", choices=OPTIMS, required=True)
     parser.add_argument("--steps", type=int, default=50, help="timed steps")
@@ -612,7 +615,14 @@ def prepare(
     rank = pyro_distributed.rank()
     pyro.clear_param_store()
     pyro.set_rng_seed(SEED + rank)
-    workload = build_workload(workload_name, torch.Generator().manual_seed(SEED + rank), ddp)
+    spatial = SPATIAL_NAME.fullmatch(workload_name)
+    if spatial is not None:
+        # Made where it trains, and with an owner's configuration only its block.
+        owned = optim in ("ours-owned", "ours-sparse") and pyro_distributed.world_size() > 1
+        model, guide, args = spatial_mapping(int(spatial[1]), int(spatial[2]), device, owned, SEED)
+        workload = Workload(model, guide, args, sharded_plates=True)
+    else:
+        workload = build_workload(workload_name, torch.Generator().manual_seed(SEED + rank), ddp)
     if device != "cpu":
         workload = on_device(workload, device)
         torch.set_default_device(device)

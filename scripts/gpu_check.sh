@@ -30,7 +30,11 @@
 #     gloo, since NCCL refuses two workers on one GPU) and under mpiexec (staged);
 #   * timings, one run: plain Pyro and ours at W=1 on the VAE and on small400;
 #   * owned local parameters, dense and sparse local steps, N = 10^6 and 10^7 rows,
-#     W=2 on the GPU (torchrun), against plain Pyro at W=1: step time and GPU memory per worker.
+#     W=2 on the GPU (torchrun), against plain Pyro at W=1: step time and GPU memory per worker;
+#   * a cell2location-shaped spatial mapping in plain Pyro (benchmarks/spatial_workload.py)
+#     at 3x10^5 spots x 2,000 genes, full batch: plain Pyro at W=1 against W=2 owned on the
+#     one GPU, each worker making and holding its block of counts only: peak GPU memory
+#     per worker and step time.
 #
 # Other modes, for a machine without a GPU:
 #   --dry-run   checks the plumbing in seconds: the wheels (present and installable for
@@ -207,6 +211,8 @@ sequence() {
         bench "W=2 torchrun" "local$n" ours-sparse "${torchrun[@]}"
     done
     bench "W=2 mpiexec" "local${LOCAL_NS%% *}" ours-sparse "${mpi[@]}"
+    bench "W=1" "$SPATIAL" plain "${one[@]}"
+    bench "W=2 torchrun" "$SPATIAL" ours-owned "${torchrun[@]}"
     rm -rf "$scratch"
 }
 
@@ -228,6 +234,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 
 if [ "$MODE" = dry-run ]; then
     DEVICE=cuda LOCAL_NS="1000000 10000000" BENCH_STEPS=30 WARMUP=5 VAE_STEPS=300
+    SPATIAL=spatial300000x2000
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
     if [ -d "$WHEEL_DIR" ]; then
         check_wheels || FAILED=1
@@ -258,11 +265,12 @@ if [ "$MODE" = dry-run ]; then
 fi
 
 if [ "$MODE" = cpu ]; then
-    DEVICE=cpu LOCAL_NS="10000" BENCH_STEPS=3 WARMUP=1 VAE_STEPS=10
+    DEVICE=cpu LOCAL_NS="10000" BENCH_STEPS=3 WARMUP=1 VAE_STEPS=10 SPATIAL=spatial4000x200
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
     "$PY" -c "import pyro" 2>/dev/null || install_wheels || exit 1
 else
     DEVICE=cuda LOCAL_NS="1000000 10000000" BENCH_STEPS=30 WARMUP=5 VAE_STEPS=300
+    SPATIAL=spatial300000x2000
     preflight > >(tee -a "$LOG") 2>&1 || exit 3
     # Not in a pipeline: install_wheels exports PATH and PYTHONPATH for what follows.
     install_wheels > >(tee -a "$LOG") 2>&1 || { say "FAIL installing $WHEEL_DIR/*.whl"; exit 1; }

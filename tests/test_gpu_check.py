@@ -47,7 +47,7 @@ def test_the_dry_run_proves_the_plumbing_without_a_gpu(tmp_path: Path) -> None:
     assert "the check stops with: gpu_check: no CUDA device" in output, output
     assert "plan: quickstart W=2, mpiexec (mpi engine)" in output, output
     summary = (tmp_path / "summary.md").read_text()
-    assert summary.count("| planned |") == 17, summary
+    assert summary.count("| planned |") == 19, summary
     assert "dry run passed" in output
 
 
