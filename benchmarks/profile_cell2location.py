@@ -17,11 +17,14 @@ of what it holds between them:
 
 Run::
 
-    python benchmarks/profile_cell2location.py --spots 100000 --genes 300
+    python benchmarks/profile_cell2location.py --spots 100000 --genes 300 [--ops]
 
 and it prints one table, each part at W=1 and per worker at W=2 with owned
 spots read by rows, and the ratio (0.50 is a part that halves with the
-spots).
+spots). ``--ops`` also records the second step of each worker with torch's
+profiler (``profile_memory``, by op and input shapes, the spots' count
+written ``N``) and prints the ops whose bytes allocated do not halve: twice
+a W=2 worker's against W=1's, largest first. It needs three epochs.
 """
 
 from __future__ import annotations
@@ -50,6 +53,19 @@ def _tensor_mb(value: Any) -> float:
     return 0.0
 
 
+def _allocations(profiler: Any, spots: int) -> dict[str, list[float]]:
+    """Bytes allocated and calls, by op and input shapes (``spots`` written ``N``)."""
+    table: dict[str, list[float]] = {}
+    for event in profiler.key_averages(group_by_input_shape=True):
+        if event.self_cpu_memory_usage <= 0:
+            continue
+        shapes = str(event.input_shapes).replace(str(spots), "N")
+        entry = table.setdefault(f"{event.key} {shapes}", [0.0, 0])
+        entry[0] += event.self_cpu_memory_usage
+        entry[1] += event.count
+    return table
+
+
 def worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     import pyro
@@ -60,7 +76,8 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     scvi.settings.seed = 0
-    _, model = model_from_h5ad(args.data, by_rows=args.devices > 1)
+    adata, model = model_from_h5ad(args.data, by_rows=args.devices > 1)
+    spots = adata.n_obs // args.devices  # this worker's (an even count of spots)
     report: dict[str, Any] = {}
 
     class Stages(pl.Callback):
@@ -69,8 +86,16 @@ def worker(args: argparse.Namespace) -> None:
             copied = getattr(trainer.train_dataloader.dataset, "data", {})  # device-backed
             report["data tensors"] = _tensor_mb(copied)
 
+        def on_train_batch_start(self, trainer: Any, module: Any, *rest: Any) -> None:
+            if args.ops and "after the first step" in report and "ops" not in report:
+                self.profiler = torch.profiler.profile(profile_memory=True, record_shapes=True)
+                self.profiler.__enter__()
+
         def on_train_batch_end(self, trainer: Any, module: Any, *rest: Any) -> None:
             if "after the first step" in report:
+                if args.ops and "ops" not in report:
+                    self.profiler.__exit__(None, None, None)
+                    report["ops"] = _allocations(self.profiler, spots)
                 return
             report["after the first step"] = rss_mb()
             store = pyro.get_param_store()
@@ -123,6 +148,7 @@ def drive(args: argparse.Namespace) -> None:
         out = workdir / f"profile{devices}"
         command = [sys.executable, __file__, "--worker", "--data", str(data), "--out", str(out)]
         command += ["--devices", str(devices), "--epochs", str(args.epochs)]
+        command += ["--ops"] if args.ops else []
         env = {**os.environ, "PYTHONPATH": f"{HERE.parent}:{HERE}", "PYTHONWARNINGS": "ignore"}
         subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
         ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(devices)]
@@ -133,7 +159,31 @@ def drive(args: argparse.Namespace) -> None:
         ratio = f"{two / one:.2f}" if abs(one) > 1 else ""
         lines.append(f"| {name} | {one:.0f} | {two:.0f} | {ratio} |")
     print("\n".join(lines))
+    if args.ops:
+        print("\n".join(ops_table(reports[1].pop("ops"), reports[2].pop("ops"))))
     print(json.dumps(reports, indent=1))
+
+
+def ops_table(one: dict[str, list[float]], two: dict[str, list[float]]) -> list[str]:
+    """The ops of a step whose allocations do not halve at W=2: twice a W=2
+    worker's bytes against W=1's, by op and shapes, the ten largest."""
+    rows = []
+    for key in one.keys() | two.keys():
+        (bytes_one, calls_one), (bytes_two, calls_two) = one.get(key, [0, 0]), two.get(key, [0, 0])
+        rows.append((2 * bytes_two - bytes_one, key, bytes_one, calls_one, bytes_two, calls_two))
+    rows.sort(reverse=True)
+    lines = [
+        "",
+        "| op and input shapes (N: the worker's spots) | W=1 MB (calls) "
+        "| W=2 per worker MB (calls) | 2 x W=2 - W=1 (MB) |",
+        "|---|---|---|---|",
+    ]
+    for extra, key, bytes_one, calls_one, bytes_two, calls_two in rows[:10]:
+        lines.append(
+            f"| `{key}` | {bytes_one / 2**20:.1f} ({calls_one:.0f}) "
+            f"| {bytes_two / 2**20:.1f} ({calls_two:.0f}) | {extra / 2**20:.1f} |"
+        )
+    return lines
 
 
 def main() -> None:
@@ -147,6 +197,7 @@ def main() -> None:
     parser.add_argument("--data")
     parser.add_argument("--out")
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--ops", action="store_true", help="allocations by op (module docstring)")
     drive_or_work = parser.parse_args()
     (worker if drive_or_work.worker else drive)(drive_or_work)
 
