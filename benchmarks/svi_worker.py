@@ -664,8 +664,8 @@ def main() -> None:
     # DDP's reducer holds the process group, and drops it without letting go
     # of the GIL: dropped after the group is destroyed, it joins gloo's
     # threads while one of them waits for the GIL to free a finished
-    # all-gather's tensors, and the worker never exits (seen under load, and
-    # in 2 of 3 DDP runs beside two idle-priority CPU spinners). Released
+    # all-gather's tensors, and the worker never exits (in 3 of about 10 DDP
+    # runs of bench_link.py beside idle-priority CPU spinners). Released
     # while the group is still registered, it drops a reference that is not
     # the last; the group's own destructor lets go of the GIL.
     del training
