@@ -42,6 +42,7 @@ from .optim.distributed import DistributedOptimizer
 from .optim.horovod import HorovodOptimizer
 from .optim.noise_scale import NoiseScale
 from .optim.torch_optimizer import DistributedTorchOptimizer
+from .partition import block_range
 from .runtime import (
     all_mean,
     all_workers,
@@ -73,6 +74,7 @@ __all__ = [
     "any_worker",
     "assert_in_sync",
     "barrier",
+    "block_range",
     "current_engine",
     "data_plate",
     "evaluate_loss",

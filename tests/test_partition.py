@@ -37,3 +37,15 @@ def test_one_process_holds_everything() -> None:
         assert block_range(5) == range(5)
     finally:
         pd.shutdown()
+
+
+def test_a_count_that_is_not_a_non_negative_int_is_refused_by_name() -> None:
+    try:
+        with pytest.raises(TypeError, match="n must be an int, got '5'"):
+            pd.block_range("5")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="n must be an int"):
+            pd.block_range(True)
+        with pytest.raises(ValueError, match="n must be a non-negative int, got -1"):
+            pd.block_range(-1)
+    finally:
+        pd.shutdown()
