@@ -11,7 +11,7 @@ GPU check, ``scripts/gpu_check.sh``).
 
 Full batch: the spots plate takes every spot a worker holds at each step,
 named by ``subsample=``. With ``owned=True`` that is block r
-(:func:`pyro_distributed.partition.block_range`), under
+(:func:`pyro_distributed.block_range`), under
 ``pd.shard_subsamples(own_local_params=True)``, and the worker makes only
 block r's counts; else every spot. The counts are drawn in chunks of
 :data:`CHUNK` spots, each from a generator seeded by its chunk, so a spot's
@@ -30,7 +30,7 @@ import torch
 from pyro.infer.autoguide import AutoNormal
 from torch import Tensor
 
-from pyro_distributed.partition import block_range
+import pyro_distributed as pd
 
 NAME = re.compile(r"spatial(\d+)x(\d+)")
 CELL_TYPES = 30
@@ -60,7 +60,7 @@ def spatial_mapping(
     cell types' signatures."""
     generator = torch.Generator(device).manual_seed(seed)
     signatures = torch.empty(CELL_TYPES, genes, device=device).exponential_(generator=generator)
-    rows = block_range(spots) if owned else range(spots)
+    rows = pd.block_range(spots) if owned else range(spots)
     counts = counts_of(rows, genes, signatures, seed)
     # The spots are named, not drawn: the guide's first call traces the model
     # outside every handler (AutoNormal's prototype), where a drawn subsample
