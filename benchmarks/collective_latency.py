@@ -39,6 +39,7 @@ ELEMENTS = 72_992 // 4
 TYPES = ("float32", "float16", "bfloat16")
 #: A call slower than this waited for a wake-up (a timer tick is 4 ms here).
 SLOW_S = 2e-3
+TITLE = "# One all-reduce of the VAE's gradient (72,992 bytes in float32), two workers on loopback"
 
 
 def worker(rank: int, port: int, rounds: int, calls: int) -> None:
@@ -126,9 +127,8 @@ def summary(calls_s: dict[str, list[float]]) -> dict[str, dict[str, float]]:
 
 
 def report(settings: dict[str, object], stats: dict[str, dict[str, float]]) -> str:
+    """One setting's section: the command that ran and its table."""
     rows = [
-        "# One all-reduce of the VAE's gradient (72,992 bytes in float32), two workers on loopback",
-        "",
         f"`python benchmarks/collective_latency.py {settings['arguments']}`: "
         f"{settings['rounds']} rounds of {settings['calls']} back-to-back calls per type, "
         "types in a shuffled order each round. Written by `benchmarks/collective_latency.py`.",
@@ -170,13 +170,12 @@ def main() -> None:
     previous = json.loads(results.read_text()) if results.exists() else {}
     previous[tag] = {"settings": settings, "summary": stats}
     results.write_text(json.dumps(previous, indent=1) + "\n")
-    text = "\n".join(
-        f"## {name}\n\n" + report(entry["settings"], entry["summary"]).split("\n", 2)[2]
+    sections = [
+        f"## {name}\n\n" + report(entry["settings"], entry["summary"])
         for name, entry in sorted(previous.items())
-    )
-    title = report(settings, stats).split("\n", 1)[0]
-    (args.output_dir / "COLLECTIVE_LATENCY.md").write_text(title + "\n\n" + text)
-    print(report(settings, stats))
+    ]
+    (args.output_dir / "COLLECTIVE_LATENCY.md").write_text("\n".join([TITLE, "", *sections]))
+    print(f"{TITLE}\n\n{report(settings, stats)}")
 
 
 if __name__ == "__main__":
