@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..errors import PyroDistributedError
 from .network import own_addresses
-from .probes import UNREACHABLE, Peer, remote_losses
+from .probes import UNREACHABLE, Peer, ProbeListener, remote_losses
 
 #: How long any collective may block before the workers give up. Long enough
 #: for a slow first step, short enough that a lost worker costs a minute and
@@ -132,8 +132,8 @@ class Engine(abc.ABC):
         #: Where every worker lives, ``(host, pid)`` by rank, once
         #: :meth:`_learn_peers` ran: to name the lost ones when a collective fails.
         self._peers: list[Peer] = []
-        #: Open while this process lives, where :meth:`_probe_address` made one.
-        self._probe_socket: socket.socket | None = None
+        #: Open while this process lives, on what :meth:`_probe_addresses` gave.
+        self._probe_listener: ProbeListener | None = None
 
     @staticmethod
     def detected() -> bool:
@@ -164,20 +164,34 @@ class Engine(abc.ABC):
         self._peers = [
             Peer(*entry)
             for entry in self.allgather_object(
-                (socket.gethostname(), os.getpid(), *self._probe_address())
+                (socket.gethostname(), os.getpid(), *self._open_probe_listener())
             )
         ]
 
-    def _probe_address(self) -> tuple[tuple[str, ...], int | None]:
-        """Where other hosts can probe this worker's process (its addresses and
-        a port that accepts connections while it lives), or ``((), None)`` for
-        an engine that knows of no such place; see :mod:`.probes`."""
-        return (), None
+    def _probe_addresses(self) -> tuple[str, ...]:
+        """The addresses at which other hosts can probe this worker's process
+        (:mod:`.probes`); empty for an engine that knows of no such place."""
+        return ()
 
-    def _close_probe_socket(self) -> None:
-        if self._probe_socket is not None:
-            self._probe_socket.close()
-            self._probe_socket = None
+    def _open_probe_listener(self) -> tuple[tuple[str, ...], int | None]:
+        """Listen on :meth:`_probe_addresses`, and on nothing else, while this
+        process lives; what to publish: those addresses and the port."""
+        addresses = self._probe_addresses()
+        if not addresses:
+            return (), None
+        try:
+            self._probe_listener = ProbeListener(addresses)
+        except OSError:
+            # The probe only sharpens a failure's message; without it a lost
+            # peer on another host is reported as the time-out. Not worth
+            # refusing to train for.
+            return (), None
+        return self._probe_listener.addresses, self._probe_listener.port
+
+    def _close_probe_listener(self) -> None:
+        if self._probe_listener is not None:
+            self._probe_listener.close()
+            self._probe_listener = None
 
     def lost_workers(self, grace: float = 0.0) -> list[str]:
         """Workers whose process has exited, or whose host cannot be reached,

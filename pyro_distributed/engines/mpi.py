@@ -22,8 +22,8 @@ Design:
   anything else raises :class:`~pyro_distributed.PyroDistributedError` after
   the time-out, naming the collective and, where a worker on another host
   has exited or cannot be reached, that worker and its host (each worker
-  keeps a probe socket open on its interfaces, since MPI does not say which
-  address reaches it; :mod:`~pyro_distributed.engines.probes`). The engine
+  listens for probes on every address of its host, since MPI does not say
+  which one reaches it; :mod:`~pyro_distributed.engines.probes`). The engine
   is then broken (a started collective can never be cancelled), so
   :meth:`MPIEngine.shutdown`, which also runs at exit, ends
   the whole job with ``MPI_Abort``: ``mpirun`` exits non-zero instead of
@@ -66,7 +66,6 @@ from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp, describe_lost
 from .launchers import mpi_launcher_present, slurm_step
 from .mpi_buffers import MPIBuffers, library_takes_cuda
 from .network import own_addresses
-from .probes import open_probe_socket
 
 INSTALL_HINT = (
     "mpi4py is not installed. Install the MPI extra, which brings mpi4py and the "
@@ -248,15 +247,12 @@ class MPIEngine(Engine):
                 elif waited >= _SPIN_S:
                     os.sched_yield()
 
-    def _probe_address(self) -> tuple[tuple[str, ...], int | None]:
-        """Every address of this host, with one port open on all of them:
-        MPI does not say which interface the other hosts reach."""
-        addresses = own_addresses()
-        if self._world_size == 1 or not addresses:
-            return (), None
-        self._probe_socket = open_probe_socket("0.0.0.0")
-        port: int = self._probe_socket.getsockname()[1]
-        return tuple(addresses), port
+    def _probe_addresses(self) -> tuple[str, ...]:
+        """Every address of this host (loopback left out), each listened on
+        alone: MPI does not say which interface the other hosts reach."""
+        if self._world_size == 1:
+            return ()
+        return tuple(own_addresses())
 
     def _fail(self, what: str, reason: str) -> None:
         self._health.failed = True
@@ -388,4 +384,4 @@ class MPIEngine(Engine):
                 signal.alarm(_ABORT_GRACE_S)
             self._comm.Abort(1)
         self._comm.Free()
-        self._close_probe_socket()
+        self._close_probe_listener()

@@ -12,17 +12,30 @@ peer on another host, all at once, for at most :data:`PROBE_TIMEOUT_S`:
 * it is refused: the host is up but the worker's process is gone;
 * no answer: the host is down or cut off from this one.
 
+The kernel completes a connection only while the listening socket's accept
+queue has room, so a thread of the worker's (:class:`ProbeListener`) accepts
+and closes every connection: otherwise a port scan, or many survivors probing
+one peer, would fill the queue, and the next probe would go unanswered and
+report a live worker as cut off. A worker whose threads cannot run (a call
+into C that holds the GIL) still answers from the queue while it has room.
+
 A worker may publish several addresses (an engine that does not know which of
-its interfaces the others reach, the mpi engine). A survivor leaves out those
-it holds itself (a bridge address every host has, say) and probes the rest
-together: one that accepts means the worker lives, else one that refuses means
-its process is gone, else its host cannot be reached.
+its interfaces the others reach, the mpi engine). It listens on each of them,
+on one port, and on nothing else: a socket on the wildcard address would also
+answer on interfaces it never published. A survivor leaves out those it holds
+itself (a bridge address every host has, say) and probes the rest together:
+one that accepts means the worker lives, else one that refuses means its
+process is gone, else its host cannot be reached.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import selectors
 import socket
+import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -30,6 +43,9 @@ from dataclasses import dataclass
 PROBE_TIMEOUT_S = 1.0
 #: How an unreachable peer's description ends (``describe_lost`` words the rest).
 UNREACHABLE = "cannot be reached"
+#: How many ports a listener tries before it gives up finding one that is free
+#: on every address it was given.
+_PORT_TRIES = 16
 
 
 @dataclass(frozen=True)
@@ -42,13 +58,91 @@ class Peer:
     port: int | None = None
 
 
-def open_probe_socket(address: str) -> socket.socket:
-    """A socket that accepts probes on ``address`` (``"0.0.0.0"``: on every
-    interface) while this process lives."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind((address, 0))
-    listener.listen(64)
-    return listener
+class ProbeListener:
+    """Sockets listening on ``addresses``, all on one port, that accept and
+    close every connection until :meth:`close` (or the process's end).
+
+    A daemon thread does the accepting, so it never keeps the process alive.
+    Ports are the kernel's choice: the first address's is tried on the others,
+    and where one of them has it taken, all are closed and another is drawn.
+
+    :raises OSError: where an address cannot be bound, or no port is free on
+        every address after a few tries.
+    """
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        if not addresses:
+            raise ValueError("a probe listener needs at least one address to listen on")
+        # An address held by two interfaces is listened on once.
+        self.addresses = tuple(dict.fromkeys(addresses))
+        self._sockets = self._bind_all(self.addresses)
+        self.port: int = self._sockets[0].getsockname()[1]
+        # Wakes the thread for close(): on Linux, closing a socket does not
+        # wake a thread that waits on it.
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        for listener in (*self._sockets, self._wake_read):
+            listener.setblocking(False)
+            self._selector.register(listener, selectors.EVENT_READ)
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._accept_until_closed, name="pyro_distributed probe listener", daemon=True
+        )
+        self._thread.start()
+
+    @staticmethod
+    def _bind_all(addresses: tuple[str, ...]) -> list[socket.socket]:
+        taken: OSError | None = None
+        for _ in range(_PORT_TRIES):
+            bound: list[socket.socket] = []
+            try:
+                for address in addresses:
+                    port = bound[0].getsockname()[1] if bound else 0
+                    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    bound.append(listener)
+                    listener.bind((address, port))
+                    listener.listen(64)
+                return bound
+            except OSError as exc:
+                for listener in bound:
+                    listener.close()
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                taken = exc
+        raise OSError(
+            errno.EADDRINUSE,
+            f"no port free on every one of {', '.join(addresses)} after {_PORT_TRIES} tries "
+            f"(last: {taken})",
+        )
+
+    def bound(self) -> list[tuple[str, int]]:
+        """Where each socket listens, ``(address, port)``, as the kernel says."""
+        names = (listener.getsockname() for listener in self._sockets)
+        return [(str(address), int(port)) for address, port in names]
+
+    def _accept_until_closed(self) -> None:
+        while not self._closed:
+            for key, _ in self._selector.select():
+                if key.fileobj is self._wake_read:
+                    return
+                listener: socket.socket = key.fileobj  # type: ignore[assignment]
+                # A connection reset before it was accepted, or another
+                # thread's accept, leaves nothing to accept: not an error.
+                with contextlib.suppress(OSError):
+                    connection, _ = listener.accept()
+                    connection.close()
+
+    def close(self) -> None:
+        """Stop accepting and close the sockets; probes are refused from then on."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._wake_write.send(b"x")
+        self._thread.join(timeout=5)
+        self._selector.close()
+        for listener in (*self._sockets, self._wake_read, self._wake_write):
+            listener.close()
 
 
 def _probe(address: str, port: int) -> str:

@@ -41,7 +41,6 @@ from .launchers import (
     torch_rendezvous_from_slurm,
 )
 from .network import advertised_address, check_peer_addresses, choose_gloo_interface, is_loopback
-from .probes import open_probe_socket
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -150,14 +149,12 @@ class TorchEngine(Engine):
             return "cpu:gloo,cuda:nccl"
         return "gloo"
 
-    def _probe_address(self) -> tuple[tuple[str, ...], int | None]:
+    def _probe_addresses(self) -> tuple[str, ...]:
         """The address gloo gives its peers, where other hosts can reach it."""
         address = advertised_address().address
         if self._world_size == 1 or address is None or is_loopback(address):
-            return (), None  # one host, or an address only this host can reach
-        self._probe_socket = open_probe_socket(address)
-        port: int = self._probe_socket.getsockname()[1]
-        return (address,), port
+            return ()  # one host, or an address only this host can reach
+        return (address,)
 
     def _group_for_cpu_tensors(self) -> Any:
         """The group that carries CPU tensors and pickled objects.
@@ -267,7 +264,7 @@ class TorchEngine(Engine):
             )
 
     def shutdown(self) -> None:
-        self._close_probe_socket()
+        self._close_probe_listener()
         if not (self._owns_group and dist.is_initialized()):
             return
         # On a clean exit, tear down together: a gloo group destroyed while a

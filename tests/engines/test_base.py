@@ -17,7 +17,7 @@ import torch
 
 from pyro_distributed.engines import ENGINE_NAMES, Engine, engine_class
 from pyro_distributed.engines.local import LocalEngine
-from pyro_distributed.engines.probes import UNREACHABLE, Peer, open_probe_socket, remote_losses
+from pyro_distributed.engines.probes import UNREACHABLE, Peer, ProbeListener, _probe, remote_losses
 
 
 def test_an_engine_with_neither_allreduce_is_refused_when_the_class_is_made() -> None:
@@ -87,8 +87,8 @@ def test_a_peer_with_several_addresses_is_judged_by_all_that_are_not_this_hosts(
     """How the mpi engine's peers are probed: every address a peer published,
     except those this host holds too (a bridge every host has), all at once.
     Three loopback addresses stand for a live, a silent and a refusing one."""
-    alive = open_probe_socket("127.0.0.1")
-    port = alive.getsockname()[1]
+    alive = ProbeListener(["127.0.0.1"])
+    port = alive.port
     silent = _silent_listener("127.0.0.2", port)
     peers = {
         1: Peer("hostA", 11, ("127.0.0.2", "127.0.0.1"), port),  # one address accepts
@@ -111,6 +111,56 @@ def test_a_peer_with_several_addresses_is_judged_by_all_that_are_not_this_hosts(
     finally:
         for held in [alive, *silent]:
             held.close()
+
+
+def test_a_flood_of_connections_does_not_make_a_live_worker_look_cut_off() -> None:
+    # A port scan, or many survivors probing one peer: connections nobody
+    # accepted would fill the queue, and the next probe would go unanswered.
+    listener = ProbeListener(["127.0.0.1"])
+    held = []
+    try:
+        for made in range(200):
+            client = socket.create_connection(("127.0.0.1", listener.port), timeout=2.0)
+            if made % 2:
+                client.close()  # a closed client's connection also waits to be accepted
+            else:
+                held.append(client)
+        assert _probe("127.0.0.1", listener.port) == "alive"
+    finally:
+        for client in held:
+            client.close()
+        listener.close()
+
+
+def test_a_probe_listener_listens_on_each_address_it_was_given_and_on_no_other() -> None:
+    listener = ProbeListener(["127.0.0.2", "127.0.0.3", "127.0.0.2"])
+    port = listener.port
+    try:
+        assert listener.addresses == ("127.0.0.2", "127.0.0.3")
+        assert listener.bound() == [("127.0.0.2", port), ("127.0.0.3", port)]
+        assert [_probe(a, port) for a in ("127.0.0.2", "127.0.0.3")] == ["alive", "alive"]
+        assert _probe("127.0.0.1", port) == "exited"  # not the wildcard address
+    finally:
+        listener.close()
+    # Closed: probes are refused, and the accepting thread has ended.
+    assert _probe("127.0.0.2", port) == "exited"
+    assert not listener._thread.is_alive()
+    listener.close()  # twice: nothing more to do
+
+
+def test_a_probe_listener_never_keeps_its_process_alive() -> None:
+    code = (
+        "from pyro_distributed.engines.probes import ProbeListener\n"
+        "listener = ProbeListener(['127.0.0.1'])\n"
+        "print(listener.port, flush=True)\n"
+    )  # and it exits without closing the listener
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - start < 30
+    assert _probe("127.0.0.1", int(done.stdout)) == "exited"
 
 
 def test_lost_workers_looks_once_without_grace_and_not_at_all_without_peers_here() -> None:

@@ -37,6 +37,7 @@ import torch
 
 import pyro_distributed as pd
 from pyro_distributed.engines import detect_engine
+from pyro_distributed.engines.network import own_addresses
 
 from .. import harness, test_examples, test_faults, test_runtime, test_semantics, test_vae_example
 from ..checkpoint import test_param_store
@@ -205,6 +206,9 @@ def engine_view() -> dict[str, Any]:
         "all": pd.all_workers(rank == world - 1),
         "gathered": gathered,
         "same_engine": pd.init("auto") is engine,
+        "own_addresses": own_addresses(),
+        "probe_bound": listener.bound() if (listener := engine._probe_listener) else [],
+        "published": [(peer.addresses, peer.port) for peer in engine._peers],
     }
 
 
@@ -286,6 +290,22 @@ def test_auto_picks_mpi_under_mpiexec_with_ranks_means_and_objects(world_size: i
         assert view["gathered"] == [
             {"rank": r, "payload": "x" * (1000 * r)} for r in range(world_size)
         ]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_each_worker_listens_for_probes_on_the_addresses_it_published_alone(
+    world_size: int,
+) -> None:
+    views = outcome("view", world_size)
+    for rank, view in enumerate(views):
+        addresses, port = view["published"][rank]
+        if world_size == 1:  # no peer to probe it
+            assert (view["probe_bound"], addresses, port) == ([], (), None)
+            continue
+        assert view["own_addresses"], "this test needs an address other than loopback"
+        assert addresses == tuple(view["own_addresses"])
+        # One socket on each published address, none on the wildcard address.
+        assert view["probe_bound"] == [(address, port) for address in addresses]
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
