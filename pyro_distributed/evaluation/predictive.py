@@ -26,6 +26,7 @@ which streams, so the receiving worker holds the result and one piece.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -105,10 +106,25 @@ class Predictive:
         check_choice("Predictive: gather", gather, ("main", "all"))
         check_int("Predictive: seed", seed, minimum=0, optional=True)
         check_int("Predictive: chunk_size", chunk_size, minimum=1, optional=True)
-        # Pyro's own class checks the first six arguments and works out num_samples.
+        posterior = _checked_posterior(posterior_samples)
+        if not posterior and num_samples is not None:
+            # With posterior samples Pyro takes the count from them instead.
+            num_samples = _sample_count(num_samples)
+        if return_sites is not None and not isinstance(return_sites, (list, tuple, set)):
+            # Pyro's own check is a bare assert.
+            raise TypeError(
+                "Predictive: return_sites must be a list, tuple or set of site names, "
+                f"or None, got {return_sites!r}"
+            )
+        # Pyro's own class checks the rest and works out num_samples.
         checked = pyro.infer.Predictive(  # type: ignore[no-untyped-call]
-            model, dict(posterior_samples or {}) or None, guide, num_samples, return_sites, parallel
+            model, posterior or None, guide, num_samples, return_sites, parallel
         )
+        if checked.num_samples == 0:
+            raise ValueError(
+                "Predictive: posterior_samples hold no samples (their first dimension "
+                "has length 0); pass at least one"
+            )
         self.model, self.guide = model, guide
         self.posterior_samples: dict[str, Tensor] = dict(checked.posterior_samples)
         self.num_samples: int = checked.num_samples
@@ -190,6 +206,42 @@ class Predictive:
         with probe:
             pieces = self._draw(everything, batch, kwargs, seed)
         return pieces, {name: probe.axes.get(name) for name in pieces}
+
+
+def _sample_count(value: Any) -> int:
+    """``num_samples`` as an int, refused by name unless it is a positive integer.
+
+    Pyro takes any integer here, NumPy's and one-element integer tensors
+    included, so those pass; a bool is a mistake, not a count.
+    """
+    is_bool = isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool)
+    try:
+        count = None if is_bool else operator.index(value)
+    except TypeError:
+        count = None
+    if count is None:
+        raise TypeError(f"Predictive: num_samples must be an int or None, got {value!r}")
+    if count < 1:
+        raise ValueError(f"Predictive: num_samples must be a positive int, got {value!r}")
+    return count
+
+
+def _checked_posterior(samples: Mapping[str, Tensor] | None) -> dict[str, Tensor]:
+    """``posterior_samples`` as a dict, each value checked to have a row per sample."""
+    posterior = dict(samples or {})
+    for name, value in posterior.items():
+        shape = getattr(value, "shape", None)
+        if shape is None:
+            raise TypeError(
+                f"Predictive: posterior_samples[{name!r}] must be a tensor, "
+                f"got {type(value).__name__}"
+            )
+        if len(shape) == 0:
+            raise ValueError(
+                f"Predictive: posterior_samples[{name!r}] must have a first dimension, "
+                f"one row per sample, got a value of shape {tuple(shape)}"
+            )
+    return posterior
 
 
 def _unseeded_base() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -122,3 +123,38 @@ def test_bad_arguments_are_named() -> None:
         pd.Predictive(model)
     with pytest.raises(TypeError, match=r"data\[0\] must be a tensor"):
         pd.Predictive(model, num_samples=2, split="data")(3.0)
+
+
+@pytest.mark.parametrize("count", [0, -3])
+def test_sample_counts_below_one_are_refused_by_name(count: int) -> None:
+    # Before any draw: a count of 0 once reached the model as a shape error.
+    with pytest.raises(ValueError, match=f"num_samples must be a positive int, got {count}"):
+        pd.Predictive(model, guide=trained_guide(), num_samples=count)
+
+
+@pytest.mark.parametrize("count", [True, 2.0, "4", torch.tensor(3.0)])
+def test_sample_counts_that_are_not_integers_are_refused_by_name(count: object) -> None:
+    with pytest.raises(TypeError, match="num_samples must be an int or None"):
+        pd.Predictive(model, guide=trained_guide(), num_samples=count)  # type: ignore[arg-type]
+
+
+def test_integer_counts_that_pyro_takes_are_taken() -> None:
+    # pyro.infer.Predictive draws with NumPy's integers and integer tensors.
+    for count in (np.int64(3), torch.tensor(3)):
+        samples = pd.Predictive(model, guide=trained_guide(), num_samples=count, seed=0)(data())
+        assert samples is not None
+        assert samples["y"].shape == (3, N)
+
+
+def test_posterior_samples_without_rows_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="posterior_samples hold no samples"):
+        pd.Predictive(model, posterior_samples={"slope": torch.zeros(0)})
+    with pytest.raises(ValueError, match=r"posterior_samples\['slope'\] must have a first dim"):
+        pd.Predictive(model, posterior_samples={"slope": torch.tensor(1.0)})
+    with pytest.raises(TypeError, match=r"posterior_samples\['slope'\] must be a tensor"):
+        pd.Predictive(model, posterior_samples={"slope": 1.0})  # type: ignore[dict-item]
+
+
+def test_return_sites_that_are_not_a_collection_are_refused_by_name() -> None:
+    with pytest.raises(TypeError, match="return_sites must be a list, tuple or set"):
+        pd.Predictive(model, num_samples=2, return_sites="y")  # type: ignore[arg-type]
