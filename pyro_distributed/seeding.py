@@ -23,6 +23,10 @@ _shared = torch.Generator().manual_seed(0)
 # first use if set_rng_seed never ran, so that workers draw independently.
 _block: torch.Generator | None = None
 _BLOCK_STREAM = 1
+#: Seeds are below this: the shared generator takes the seed itself, and
+#: torch's generators take 64-bit seeds. Each worker's own generators get a
+#: 32-bit seed derived from it, which NumPy's legacy seeding also takes.
+_SEED_LIMIT = 2**64
 
 
 def derived_seed(seed: int, *path: int) -> int:
@@ -52,10 +56,14 @@ def set_rng_seed(seed: int) -> None:
 
         pyro_distributed.set_rng_seed(0)   # instead of pyro.set_rng_seed(0)
 
+    :param seed: an int with ``0 <= seed < 2**64``.
+
     .. warning::
         Call it on every worker with the same ``seed``.
     """
     check_int("seed", seed, minimum=0)
+    if seed >= _SEED_LIMIT:
+        raise ValueError(f"seed must be an int with 0 <= seed < 2**64, got {seed!r}")
     pyro.set_rng_seed(worker_seed(seed, runtime.rank()))
     _shared.manual_seed(seed)
     block_generator().manual_seed(derived_seed(seed, runtime.rank(), _BLOCK_STREAM))

@@ -81,3 +81,16 @@ def test_paths_that_differ_by_trailing_zeros_are_different_streams() -> None:
 def test_set_rng_seed_rejects_seeds_that_are_not_ints(bad: object) -> None:
     with pytest.raises(TypeError, match="seed must be an int"):
         pd.set_rng_seed(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [2**64, 2**70])
+def test_set_rng_seed_rejects_seeds_past_64_bits_by_name(bad: int) -> None:
+    # The shared generator takes the seed itself, and torch's take 64 bits.
+    with pytest.raises(ValueError, match=r"seed must be an int with 0 <= seed < 2\*\*64"):
+        pd.set_rng_seed(bad)
+
+
+def test_the_largest_seed_seeds_every_generator() -> None:
+    pd.set_rng_seed(2**64 - 1)
+    assert pd.seeding.shared_generator().initial_seed() == 2**64 - 1
+    assert torch.initial_seed() == worker_seed(2**64 - 1, 0)
