@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.utils.data import Sampler, TensorDataset
 
 from .. import runtime
-from ..checks import check_choice, check_int
+from ..checks import check_bool, check_choice, check_int
 from ..partition import block_range
 from ..seeding import derived_seed
 from .plates import RowOrigin, record_origin
@@ -46,7 +46,7 @@ def shard_indices(
     """This worker's indices into ``range(n)``.
 
     :param shuffle: take the order from a permutation of ``range(n)`` seeded
-        by ``(seed, epoch)``, the same on every worker.
+        by ``(seed, epoch)`` (ints), the same on every worker.
     :param uneven: ``"drop"`` (default: leave out the ``n % W`` items left
         over), ``"pad"`` (repeat a few, so that every item is used) or
         ``"split"`` (the first ``n % W`` workers get one more).
@@ -59,10 +59,17 @@ def shard_indices(
             svi.step(batch, x[batch], y[batch])
     """
     check_int("n", n, minimum=0)
+    check_bool("shuffle", shuffle)
+    check_int("seed", seed)
+    check_int("epoch", epoch)
     check_choice("uneven", uneven, ("split", "drop", "pad"))
     workers, rank = runtime.world_size(), runtime.rank()
     if shuffle:
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        # torch takes a seed of 64 bits, and reads a negative one modulo
+        # 2**64: wrapping the mix the same way keeps every order that fitted,
+        # and gives large seeds and epochs one too.
+        mixed = (seed * 1_000_003 + epoch) % 2**64
+        generator = torch.Generator().manual_seed(mixed)
         # cpu: the CPU generator's order
         order = torch.randperm(n, generator=generator, device="cpu")
     else:
@@ -105,6 +112,11 @@ def shard(data: Tensor, *, uneven: Uneven = "split") -> Tensor:
     """
     if not isinstance(data, Tensor):
         raise TypeError(f"shard takes a tensor, got {type(data).__name__}")
+    if data.dim() == 0:
+        raise ValueError(
+            f"shard: data must have at least one dimension to shard along (its rows "
+            f"are split along dim 0), got a 0-d tensor: {data!r:.60}"
+        )
     indices = shard_indices(len(data), uneven=uneven)
     # With shards of unequal length, Pyro's len(data) / len(shard) scaling
     # would weigh the workers' rows unequally once gradients are averaged;
@@ -195,6 +207,13 @@ class ShardSampler(Sampler[int]):
                 "ShardSampler needs shards of equal length (every worker takes the same "
                 "number of steps per epoch): use uneven='drop' or 'pad', not 'split'"
             )
+        check_bool("shuffle", shuffle)
+        check_bool("by_block", by_block)
+        # A block's order is seeded by a derived seed, which takes no negatives.
+        if by_block:
+            check_int("ShardSampler(by_block=True): seed", seed, minimum=0)
+        else:
+            check_int("seed", seed)
         self._length = len(dataset)
         self.shuffle, self.seed, self.uneven, self.epoch = shuffle, seed, uneven, 0
         self.by_block = by_block
@@ -202,6 +221,10 @@ class ShardSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Reseed the shared order; call it with the same epoch on every worker."""
+        if self.by_block:
+            check_int("ShardSampler(by_block=True): epoch", epoch, minimum=0)
+        else:
+            check_int("epoch", epoch)
         self.epoch = epoch
 
     def _indices(self) -> Tensor:

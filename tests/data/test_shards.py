@@ -64,3 +64,46 @@ def test_shard_in_one_process_is_everything() -> None:
         pd.shard_indices(5, uneven="wrap")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="shard takes a tensor"):
         pd.shard([1, 2, 3])  # type: ignore[arg-type]
+
+
+def test_a_tensor_without_a_first_dimension_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="data must have at least one dimension to shard along"):
+        pd.shard(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"seed": 1.5}, "seed must be an int"),
+        ({"seed": True}, "seed must be an int"),
+        ({"epoch": "1"}, "epoch must be an int"),
+        ({"shuffle": 1}, "shuffle must be True or False"),
+    ],
+)
+def test_shard_indices_names_arguments_of_the_wrong_type(
+    arguments: dict[str, object], message: str
+) -> None:
+    with pytest.raises(TypeError, match=message):
+        pd.shard_indices(5, **arguments)  # type: ignore[arg-type]
+
+
+def test_shuffled_order_takes_seeds_past_64_bits_and_keeps_the_orders_that_fitted() -> None:
+    large = pd.shard_indices(6, shuffle=True, seed=2**70, epoch=2**64)
+    assert sorted(large.tolist()) == list(range(6))
+    # torch reads a seed modulo 2**64: seeds that fitted give the order they gave.
+    fitted = torch.randperm(6, generator=torch.Generator().manual_seed(-5 * 1_000_003 + 3))
+    assert pd.shard_indices(6, shuffle=True, seed=-5, epoch=3).tolist() == fitted.tolist()
+
+
+def test_shard_sampler_names_bad_seeds_and_epochs() -> None:
+    with pytest.raises(TypeError, match="seed must be an int"):
+        pd.ShardSampler(range(5), seed=0.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="shuffle must be True or False"):
+        pd.ShardSampler(range(5), shuffle="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"by_block=True\): seed must be a non-negative int"):
+        pd.ShardSampler(range(5), seed=-1, by_block=True)
+    sampler = pd.ShardSampler(range(5), by_block=True)
+    with pytest.raises(ValueError, match=r"by_block=True\): epoch must be a non-negative int"):
+        sampler.set_epoch(-1)
+    with pytest.raises(TypeError, match="epoch must be an int"):
+        pd.ShardSampler(range(5)).set_epoch(1.0)  # type: ignore[arg-type]
