@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
+from pyro_distributed.checkpoint.files import load_file
 
 from .harness import free_port
 
@@ -76,7 +76,7 @@ def check_outputs(output: tuple[str, str], tmp_path: Path, workers: int) -> None
     pixels = imread(figure)
     assert pixels.ndim == 3 and min(pixels.shape[:2]) > 100, pixels.shape
 
-    checkpoint = torch.load(tmp_path / "vae.pt", weights_only=False)
+    checkpoint = load_file(tmp_path / "vae.pt")
     assert checkpoint["format"] == "pyro_distributed.checkpoint"
     assert checkpoint["world_size"] == workers
     assert checkpoint["num_steps"] == STEPS

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..checks import check_bool
 from ..optim.distributed import DistributedOptimizer
 from ..optim.torch_optimizer import DistributedTorchOptimizer
 from . import modules, param_store
@@ -64,6 +65,8 @@ def load_checkpoint(
     missing_ok: bool = False,
     module: torch.nn.Module | None = None,
     schedulers: Sequence[Any] = (),
+    strict: bool = True,
+    trusted: bool = False,
 ) -> int:
     """Restore a checkpoint on every worker; returns the step count it was saved at.
 
@@ -77,11 +80,25 @@ def load_checkpoint(
         on every worker: the one flag a restartable script needs (see below).
     :param module: with a torch optimizer, the module it trains (as saved).
     :param schedulers: with a torch optimizer, its schedulers (as saved).
+    :param strict: refuse a checkpoint whose parameter names differ from the
+        model's, in either direction (default). Parameters that do not exist
+        yet (a guide's, before its first call) are compared at the next step,
+        which raises before it changes anything. ``False`` loads the
+        parameters both share and leaves the rest; shapes, dtypes and
+        constraints of shared names must still agree.
+    :param trusted: unpickle the file in full, which can run any code it
+        holds. Off by default: checkpoints hold data only (tensors, numbers,
+        strings, and torch's and Pyro's constraint classes) and are read with
+        ``torch.load(weights_only=True)``. Needed for state of your own classes,
+        and for files written by pyro_distributed 0.x (format version 3).
     :raises FileNotFoundError: on every worker, if worker 0 finds no file and
         ``missing_ok`` is false.
-    :raises ValueError: on every worker, if the file is corrupt or truncated,
-        is not a checkpoint, or holds parameters that contradict the ones
-        already created (a checkpoint of a different model).
+    :raises ValueError: on every worker, if the file is damaged or truncated,
+        is not a checkpoint, needs a class it may not load (named), or holds
+        parameters whose names, shapes, dtypes or constraints contradict the
+        model's (a checkpoint of a different model).
+    :raises PyroDistributedError: on every worker, if any worker cannot read
+        a block file it needs (naming the worker and the file).
 
     Example, a script that ``torchrun --max-restarts 3`` can restart at any
     time and that finishes as if it had never stopped::
@@ -93,13 +110,24 @@ def load_checkpoint(
                 pyro_distributed.save_checkpoint("run.pt", optim)
 
     .. warning::
-        Checkpoints are unpickled: load only files you trust. Call it on every
-        worker at the same point: it is a collective.
+        Call it on every worker at the same point: it is a collective. Pass
+        ``trusted=True`` only for files you trust as you trust code.
     """
+    check_bool("strict", strict)
+    check_bool("trusted", trusted)
+    check_bool("missing_ok", missing_ok)
     if isinstance(optim, DistributedTorchOptimizer):
-        return modules.load(path, optim, _required(module), list(schedulers), missing_ok)
+        return modules.load(
+            path,
+            optim,
+            _required(module),
+            list(schedulers),
+            missing_ok,
+            trusted=trusted,
+            strict=strict,
+        )
     _check_pyro_optim(optim, module, schedulers)
-    return param_store.load(path, optim, missing_ok)
+    return param_store.load(path, optim, missing_ok, trusted=trusted, strict=strict)
 
 
 def _required(module: torch.nn.Module | None) -> torch.nn.Module:

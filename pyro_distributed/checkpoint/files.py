@@ -7,40 +7,78 @@ Saving and loading are collectives, called on every worker:
   same directory, flushed to disk, then renamed over the target. A crash
   mid-write leaves the previous checkpoint as it was, and every worker learns
   whether the write succeeded.
-* :func:`read` has worker 0 read and check the file and send its bytes to the
-  others, so only worker 0 needs to see the file system (block files aside).
+* :func:`read` has worker 0 read and check the file and broadcast its bytes
+  to the others, so only worker 0 needs to see the file system (block files
+  aside), each worker holds the file about twice at most (its bytes and what
+  they decode to), and worker 0 decodes it once, as every worker does.
+
+Both do their file work outside the engine's time-out
+(:mod:`pyro_distributed.shared_io`), and the files are
+:mod:`pyro_distributed.safe_files` files: a header checked first, then data
+that loads with ``weights_only=True`` and :func:`allowed_globals`, unless the
+user passes ``trusted=True``.
 """
 
 from __future__ import annotations
 
-import io
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyro.distributions.constraints
 import pyro.util
 import torch
 from torch import Tensor
 
-from ..devices import checkpoint_location
+from .. import safe_files, shared_io
 from ..engines import Engine
 from ..errors import PyroDistributedError
-from ..local.blocks import new_token, remove_blocks, save_blocks, write_atomically
+from ..local.blocks import new_token, remove_blocks, remove_temporaries, save_blocks
 from ..local.registry import LocalParam
 from ..seeding import block_generator, shared_generator
 
+#: What a checkpoint says it is in its header (:mod:`pyro_distributed.safe_files`).
+KIND = "checkpoint"
 FORMAT = "pyro_distributed.checkpoint"
-# Version 2 added local parameters' blocks; version 3, checkpoints of modules.
-VERSION = 3
+
+
+@functools.cache
+def allowed_globals() -> tuple[type, ...]:
+    """The classes a checkpoint may name: the constraints of torch and Pyro (a
+    param store holds one per parameter). Nothing else in it is an object."""
+    found: set[type] = set()
+    pending = [torch.distributions.constraints.Constraint]
+    while pending:
+        cls = pending.pop()
+        if cls.__module__.split(".")[0] in ("torch", "pyro") and cls not in found:
+            found.add(cls)
+            pending.extend(cls.__subclasses__())
+    return tuple(sorted(found, key=lambda cls: f"{cls.__module__}.{cls.__qualname__}"))
 
 
 def gather_rng(engine: Engine) -> list[Any]:
-    """Every worker's RNG states, by rank (a collective)."""
+    """Every worker's RNG states, by rank, as plain data (a collective)."""
     states: list[Any] = engine.allgather_object(
-        (pyro.util.get_rng_state(), block_generator().get_state())
+        rng_for_file((pyro.util.get_rng_state(), block_generator().get_state()))
     )
     return states
+
+
+def rng_for_file(worker_state: Any) -> Any:
+    """A worker's RNG states with NumPy's key array as a list of ints (plain data)."""
+    rng, blocks = worker_state
+    kind, keys, *rest = rng["numpy"]
+    return {**rng, "numpy": (kind, np.asarray(keys).tolist(), *rest)}, blocks
+
+
+def rng_from_file(worker_state: Any) -> Any:
+    """The inverse of :func:`rng_for_file`."""
+    rng, blocks = worker_state
+    kind, keys, *rest = rng["numpy"]
+    return {**rng, "numpy": (kind, np.asarray(keys, dtype=np.uint32), *rest)}, blocks
 
 
 def restore_rng(state: dict[str, Any], engine: Engine) -> None:
@@ -48,9 +86,14 @@ def restore_rng(state: dict[str, Any], engine: Engine) -> None:
     size is the one the checkpoint was written with."""
     shared_generator().set_state(state["shared_rng"])
     if state["world_size"] == engine.world_size:
-        rng, blocks = state["rng"][engine.rank]
+        rng, blocks = rng_from_file(state["rng"][engine.rank])
         pyro.util.set_rng_state(rng)
         block_generator().set_state(blocks)
+
+
+def write_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Worker 0's write of the checkpoint file (a test replaces it to make it fail)."""
+    safe_files.write(path, KIND, {"format": FORMAT}, state)
 
 
 def commit(
@@ -61,15 +104,16 @@ def commit(
     values: dict[str, Tensor],
     optim_state: dict[str, Any],
     *,
-    write: Callable[[Path, dict[str, Any]], None] = write_atomically,
+    write: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> None:
     """Write a checkpoint: the blocks of ``local`` (their ``values`` and
     ``optim_state``) on every worker, then ``state(local_meta)`` on worker 0,
-    with ``write`` (default: to a temporary file, flushed, renamed over ``path``).
+    with ``write`` (default: :func:`write_checkpoint`).
 
     :raises PyroDistributedError: on every worker, if any write failed; the
         previous checkpoint is then intact (if ``write`` replaces files atomically).
     """
+    write = write or write_checkpoint
     target = Path(path)
     token = None
     meta = None
@@ -81,29 +125,30 @@ def commit(
             "world_size": engine.world_size,
             "params": {name: (p.plate, p.size, p.axis) for name, p in local.items()},
         }
-    failure = None
-    if engine.rank == 0:
-        try:
-            write(target, state(meta))
-        except Exception as exc:  # reported to every worker below
-            failure = f"{type(exc).__name__}: {exc}"
-    failure = engine.allgather_object(failure)[0]
+
+    def write_file() -> tuple[None, None]:
+        assert write is not None
+        write(target, state(meta))
+        return None, None
+
+    outcome = shared_io.on_each_worker(engine, write_file if engine.rank == 0 else None)
+    failure = shared_io.failures(outcome.reports).get(0)
     if failure is not None:
         if token is not None:
             remove_blocks(target, token, only_rank=engine.rank)
         raise PyroDistributedError(
-            f"worker 0 could not write the checkpoint {os.fspath(path)!r} ({failure}); "
-            f"the previous file there, if any, is intact"
+            f"worker 0 could not write the checkpoint {os.fspath(path)!r} "
+            f"({failure.message}); the previous file there, if any, is intact"
         )
     if engine.rank == 0:
         remove_blocks(target, keep=token)  # the previous checkpoint's, now superseded
+        remove_temporaries(target)  # what killed saves left; every worker has finished
 
 
 def header(engine: Engine, num_steps: int, kind: str) -> dict[str, Any]:
     """The entries every checkpoint starts with (worker 0, after :func:`gather_rng`)."""
     return {
         "format": FORMAT,
-        "version": VERSION,
         "kind": kind,
         "world_size": engine.world_size,
         "num_steps": num_steps,
@@ -112,7 +157,7 @@ def header(engine: Engine, num_steps: int, kind: str) -> dict[str, Any]:
 
 
 def read(
-    path: str | os.PathLike[str], engine: Engine, missing_ok: bool
+    path: str | os.PathLike[str], engine: Engine, missing_ok: bool, *, trusted: bool = False
 ) -> tuple[dict[str, Any], Path] | None:
     """The checkpoint at ``path``, as worker 0 read it, on every worker, and where
     worker 0 found it; ``None`` when there is none and ``missing_ok``.
@@ -120,19 +165,69 @@ def read(
     :raises FileNotFoundError: on every worker, if there is no file.
     :raises ValueError: on every worker, if the file is no readable checkpoint.
     """
-    found: tuple[str, str] | tuple[bytes, str] | None = None
+    target = Path(path)
+    shown = repr(os.fspath(path))
+
+    def read_file() -> tuple[Any, Any]:
+        if not target.exists():  # said with worker 0's path on every worker
+            raise FileNotFoundError(f"no checkpoint at {shown} on worker 0")
+        with open(target, "rb") as file:
+            found = safe_files.read_header(file, f"the checkpoint {shown}", KIND)
+            payload = safe_files.read_payload(file, found, f"the checkpoint {shown}")
+        return payload, (found, os.fspath(target.resolve()))
+
+    def classify(exc: BaseException) -> str:
+        if isinstance(exc, FileNotFoundError):
+            return "missing"
+        return "unreadable" if isinstance(exc, safe_files.UnreadableFile) else "error"
+
+    outcome = shared_io.on_each_worker(
+        engine, read_file if engine.rank == 0 else None, classify=classify
+    )
+    failure = shared_io.failures(outcome.reports).get(0)
+    if failure is not None:
+        if failure.kind == "missing":
+            if missing_ok:
+                return None
+            raise FileNotFoundError(failure.message.split(": ", 1)[1])
+        if failure.kind == "unreadable":
+            raise ValueError(failure.message.split(": ", 1)[1])
+        raise PyroDistributedError(
+            f"worker 0 could not read the checkpoint {shown} ({failure.message})"
+        )
+    found, where = outcome.reports[0]
+    payload = _broadcast_bytes(engine, outcome.value, found.payload_bytes)
+    outcome.value = None  # the payload is held once, here
+    decoded: Any = None
+    problem = None
+    try:
+        decoded = safe_files.decode(
+            payload, found, f"the checkpoint {shown}", trusted=trusted, allowed=allowed_globals()
+        )
+        del payload
+        if not (isinstance(decoded, dict) and decoded.get("format") == FORMAT):
+            raise safe_files.UnreadableFile(f"{shown} is not a pyro_distributed checkpoint")
+    except Exception as exc:  # every worker decodes the same bytes; agreed on below
+        problem = str(exc)
+    problems = engine.allgather_object(problem)
+    if any(problems):
+        raise ValueError(next(problem for problem in problems if problem))
+    return decoded, Path(where)
+
+
+def _broadcast_bytes(engine: Engine, payload: bytearray | None, length: int) -> bytearray:
+    """Worker 0's ``payload`` on every worker, sent once (a collective)."""
+    if engine.world_size == 1:
+        assert payload is not None
+        return payload
     if engine.rank == 0:
-        found = _read_checked(Path(path))
-    found = engine.allgather_object(found)[0]
-    assert found is not None
-    if isinstance(found[0], str):
-        kind, message = found
-        if kind == "missing" and missing_ok:
-            return None
-        raise FileNotFoundError(message) if kind == "missing" else ValueError(message)
-    raw, where = found
-    assert isinstance(raw, bytes)
-    return _deserialize(raw), Path(where)
+        assert payload is not None
+        buffer = payload
+    else:
+        buffer = bytearray(length)
+    if length:
+        engine.broadcast_([torch.frombuffer(buffer, dtype=torch.uint8)], src=0)
+    return buffer
 
 
 def mismatches(
@@ -163,32 +258,9 @@ def local_params_of(state: dict[str, Any]) -> dict[str, LocalParam]:
     }
 
 
-def _deserialize(raw: bytes) -> dict[str, Any]:
-    # Saved on worker 0's GPU, read by every worker onto its own (or the CPU).
-    state: dict[str, Any] = torch.load(
-        io.BytesIO(raw), map_location=checkpoint_location, weights_only=False
-    )
-    return state
-
-
-def _read_checked(path: Path) -> tuple[str, str] | tuple[bytes, str]:
-    """The file's bytes and where it is, if it holds a checkpoint, else (kind, message)."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return "missing", f"no checkpoint at {os.fspath(path)!r} on worker 0"
-    try:
-        state = _deserialize(raw)
-    except Exception as exc:
-        return "corrupt", (
-            f"the checkpoint {os.fspath(path)!r} is corrupt or truncated "
-            f"({type(exc).__name__}: {exc})"
-        )
+def load_file(path: str | os.PathLike[str], *, trusted: bool = False) -> dict[str, Any]:
+    """A checkpoint file's contents, read in this process alone (to inspect one)."""
+    _, state = safe_files.load(Path(path), KIND, trusted=trusted, allowed=allowed_globals())
     if not (isinstance(state, dict) and state.get("format") == FORMAT):
-        return "corrupt", f"{os.fspath(path)!r} is not a pyro_distributed checkpoint"
-    if state.get("version", 0) > VERSION:
-        return "corrupt", (
-            f"the checkpoint {os.fspath(path)!r} has format version {state['version']}; "
-            f"this pyro_distributed reads version {VERSION} and older"
-        )
-    return raw, os.fspath(path.resolve())
+        raise safe_files.UnreadableFile(f"{os.fspath(path)!r} is not a pyro_distributed checkpoint")
+    return state

@@ -107,10 +107,13 @@ def load(
     module: torch.nn.Module,
     schedulers: list[Any],
     missing_ok: bool,
+    *,
+    trusted: bool = False,
+    strict: bool = True,
 ) -> int:
     """:func:`~pyro_distributed.load_checkpoint` of a run with a torch optimizer."""
     engine = optimizer.engine
-    found = files.read(path, engine, missing_ok)
+    found = files.read(path, engine, missing_ok, trusted=trusted)
     if found is None:
         return 0
     state, where = found
@@ -120,7 +123,7 @@ def load(
             f"param store); load it with load_checkpoint(path, optim), without module="
         )
     local = files.local_params_of(state)
-    _check_compatible(os.fspath(path), state, module, local)
+    _check_compatible(os.fspath(path), state, module, local, strict)
     if len(schedulers) != len(state["schedulers"]):
         raise ValueError(
             f"the checkpoint {os.fspath(path)!r} holds {len(state['schedulers'])} "
@@ -130,7 +133,7 @@ def load(
     saved_optimizer = state["optimizer"]
     if local:
         # Each worker reads the blocks it needs, from where worker 0 found the checkpoint.
-        values, local_state = load_blocks(where, state["local"], local)
+        values, local_state = load_blocks(where, state["local"], local, engine, trusted=trusted)
         named = dict(module.named_parameters())
         indices = state_indices(optimizer)
         for name, value in values.items():
@@ -157,13 +160,15 @@ def load(
 
 
 def _check_compatible(
-    path: str, state: dict[str, Any], module: torch.nn.Module, local: dict[str, Any]
+    path: str, state: dict[str, Any], module: torch.nn.Module, local: dict[str, Any], strict: bool
 ) -> None:
-    """Refuse a checkpoint of another module."""
+    """Refuse a checkpoint of another module (names only if ``strict``)."""
     saved = state["module"]
     current = module.state_dict()
     missing, reshaped = files.mismatches(current, saved, local)
     extra = sorted((set(saved) | set(local)) - set(current))
+    if not strict:
+        missing, extra = [], []
     details = []
     if missing:
         details.append(f"{missing} exist now but not in the checkpoint")

@@ -51,10 +51,17 @@ def save(path: str | os.PathLike[str], optim: DistributedOptimizer) -> None:
     files.commit(path, engine, state, local, values, optim_state)
 
 
-def load(path: str | os.PathLike[str], optim: DistributedOptimizer, missing_ok: bool) -> int:
+def load(
+    path: str | os.PathLike[str],
+    optim: DistributedOptimizer,
+    missing_ok: bool,
+    *,
+    trusted: bool = False,
+    strict: bool = True,
+) -> int:
     """:func:`~pyro_distributed.load_checkpoint` of a run with a Pyro optimizer."""
     engine = optim.engine
-    found = files.read(path, engine, missing_ok)
+    found = files.read(path, engine, missing_ok, trusted=trusted)
     if found is None:
         return 0
     state, where = found
@@ -64,15 +71,19 @@ def load(path: str | os.PathLike[str], optim: DistributedOptimizer, missing_ok: 
             f"optimizer; load it with load_checkpoint(path, optimizer, module=...)"
         )
     local = files.local_params_of(state)
-    _check_compatible(os.fspath(path), state, local)
+    _check_compatible(os.fspath(path), state, local, strict)
 
     _restore_param_store(state["param_store"], local)
     local_state: dict[str, Any] = {}
     if state.get("local") is not None:
         # Each worker reads the blocks it needs, from where worker 0 found the checkpoint.
-        values, local_state = load_blocks(where, state["local"], local)
+        values, local_state = load_blocks(where, state["local"], local, engine, trusted=trusted)
         _restore_local(values, local, state["param_store"]["constraints"])
     optim._forget_parameters()
+    if strict:
+        # Names not created yet (a guide's, before its first call) are checked
+        # at the first step, against what it steps.
+        optim.expect_parameters(set(state["param_store"]["params"]) | set(local), os.fspath(path))
     optim.set_state({**state["optim"], **local_state})
     optim.num_steps = state["num_steps"]
     files.restore_rng(state, engine)
@@ -122,13 +133,29 @@ def _without(entries: dict[str, Any], names: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in entries.items() if name not in names}
 
 
-def _check_compatible(path: str, state: dict[str, Any], local: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose parameters contradict the ones already created."""
+def _check_compatible(
+    path: str, state: dict[str, Any], local: dict[str, Any], strict: bool
+) -> None:
+    """Refuse a checkpoint whose parameters contradict the ones already created:
+    names (unless not ``strict``), shapes, dtypes and constraints."""
     saved = state["param_store"]["params"]
-    current = dict(pyro.get_param_store().named_parameters())
+    store = pyro.get_param_store()
+    current = dict(store.named_parameters())
     unknown, reshaped = files.mismatches(current, saved, local)
-    if unknown or reshaped:
+    if not strict:
+        unknown = []
+        current = {name: value for name, value in current.items() if name in saved or name in local}
+    constraints = store.get_state()["constraints"]
+    saved_constraints = state["param_store"]["constraints"]
+    constrained = sorted(
+        f"{name!r}: {saved_constraints[name]} saved, {constraints[name]} now"
+        for name in set(current) & set(saved_constraints)
+        if name in constraints and not same_constraint(constraints[name], saved_constraints[name])
+    )
+    if unknown or reshaped or constrained:
         details = []
+        if constrained:
+            details.append(f"parameters differ in constraint ({', '.join(constrained)})")
         if unknown:
             details.append(f"parameters {unknown} exist now but not in the checkpoint")
         if reshaped:
@@ -144,3 +171,18 @@ def _check_compatible(path: str, state: dict[str, Any], local: dict[str, Any]) -
             )
             details.append(f"parameters differ in shape or dtype ({shown})")
         raise ValueError(f"the checkpoint {path!r} is of a different model: {'; '.join(details)}")
+
+
+def same_constraint(first: Any, second: Any) -> bool:
+    """Whether two constraints are the same: of one class, with equal attributes
+    (bounds, a base constraint and its event dimensions, ...)."""
+    if type(first) is not type(second):
+        return False
+    if isinstance(first, torch.Tensor):
+        return bool(first.shape == second.shape and torch.equal(first, second))
+    if isinstance(first, torch.distributions.constraints.Constraint):
+        mine, theirs = vars(first), vars(second)
+        return mine.keys() == theirs.keys() and all(
+            same_constraint(mine[key], theirs[key]) for key in mine
+        )
+    return bool(first == second)

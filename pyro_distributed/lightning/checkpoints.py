@@ -50,16 +50,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
+from .. import safe_files
 from ..checkpoint import files
 from ..checkpoint.modules import ModuleLocal, module_locals, state_indices, without_state
 from ..engines import Engine
 from ..errors import PyroDistributedError
-from ..local.blocks import load_blocks, remove_blocks, write_atomically
+from ..local.blocks import load_blocks, remove_blocks
 from ..local.registry import LocalParam, local_params
 from ..seeding import shared_generator
 from . import internals, pyro_state
@@ -76,21 +76,28 @@ class Resumption:
 
     :param where: the checkpoint file, symlinks resolved (block files lie
         beside the file itself); ``None`` for a remote path.
+    :param trusted: whether block files may be unpickled in full: only where
+        Lightning was asked to load its own file with ``weights_only=False``.
+        Block files hold data alone, so they load either way.
     :param rows: this worker's optimizer-state rows of each local parameter,
         read with the module's blocks and kept until the optimizers are restored.
     """
 
     where: Path | None
+    trusted: bool = False
     rows: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, filepath: str | os.PathLike[str]) -> Resumption:
+    def of(cls, filepath: str | os.PathLike[str], weights_only: bool | None) -> Resumption:
         target = local_path(filepath)
-        return cls(target.resolve() if target is not None else None)
+        return cls(target.resolve() if target is not None else None, weights_only is False)
 
 
 def module_state(
-    checkpoint: Mapping[str, Any], resumption: Resumption | None, module: torch.nn.Module
+    checkpoint: Mapping[str, Any],
+    resumption: Resumption | None,
+    module: torch.nn.Module,
+    engine: Engine,
 ) -> dict[str, Any]:
     """The checkpoint's ``state_dict`` with this worker's rows of every local
     parameter, read from the blocks and re-partitioned for this world size."""
@@ -109,7 +116,9 @@ def module_state(
             "PyroDistributedStrategy.load_checkpoint and so learns where the blocks are"
         )
     records = {name: current[name].record for name in saved}
-    values, resumption.rows = load_blocks(resumption.where, local, records)
+    values, resumption.rows = load_blocks(
+        resumption.where, local, records, engine, trusted=resumption.trusted
+    )
     return {**state, **values}
 
 
@@ -144,8 +153,7 @@ def restore_rng(checkpoint: Mapping[str, Any], engine: Engine) -> None:
     was written by as many workers (so that a resumed run continues bitwise)."""
     state = checkpoint.get(KEY)
     if state is not None:
-        rng = [_rng_from_file(worker) for worker in state["rng"]]
-        files.restore_rng({**state, "rng": rng}, engine)
+        files.restore_rng(state, engine)
 
 
 def local_path(filepath: str | os.PathLike[str]) -> Path | None:
@@ -189,23 +197,6 @@ def _check_same_locals(saved: dict[str, LocalParam], current: dict[str, ModuleLo
         )
 
 
-# -- RNG states in types that torch.load(weights_only=True), Lightning's default, accepts
-
-
-def rng_for_file(worker_state: Any) -> Any:
-    """A worker's RNG states with NumPy's key array as a list of ints."""
-    rng, blocks = worker_state
-    kind, keys, *rest = rng["numpy"]
-    return {**rng, "numpy": (kind, keys.tolist(), *rest)}, blocks
-
-
-def _rng_from_file(worker_state: Any) -> Any:
-    """The inverse of :func:`rng_for_file`."""
-    rng, blocks = worker_state
-    kind, keys, *rest = rng["numpy"]
-    return {**rng, "numpy": (kind, np.asarray(keys, dtype=np.uint32), *rest)}, blocks
-
-
 # -- writing
 
 
@@ -246,7 +237,7 @@ def save(
         "pyro_optim": pyro_shared,  # a Pyro plan's optimizer (scvi-tools'), rows in the blocks
         "pyro_optim_steps": pyro_state.pyro_optimizer_steps(module),
         "world_size": engine.world_size,
-        "rng": [rng_for_file(state) for state in files.gather_rng(engine)],
+        "rng": files.gather_rng(engine),  # plain data, as weights_only=True accepts
         "shared_rng": shared_generator().get_state(),
         "num_steps": [getattr(optimizer, "num_steps", None) for optimizer in optimizers],
     }
@@ -314,7 +305,7 @@ def _writer(
 
 def _write_here(path: Path, state: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, state)
+    safe_files.write_with(path, lambda file: torch.save(state, file))
 
 
 def _places(held: ModuleLocal, optimizers: list[torch.optim.Optimizer]) -> Any:

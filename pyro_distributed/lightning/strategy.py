@@ -389,7 +389,9 @@ class PyroDistributedStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
         # Lightning 2.6 passes weights_only=; 2.4 and 2.5 pass the path alone.
-        self._resumption = checkpoints.Resumption.of(checkpoint_path)  # where the blocks are
+        weights_only = kwargs.get("weights_only", args[0] if args else None)
+        # Where the blocks are, and whether they may be unpickled in full.
+        self._resumption = checkpoints.Resumption.of(checkpoint_path, weights_only)
         return super().load_checkpoint(checkpoint_path, *args, **kwargs)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -399,7 +401,7 @@ class PyroDistributedStrategy(DDPStrategy):
         assert module is not None
         if self.own_local_params:  # a Pyro plan's lazily built guide: its parameters, cut
             pyro_state.create_guide_params(module, getattr(module.trainer, "datamodule", None))
-        state = checkpoints.module_state(checkpoint, self._resumption, module)
+        state = checkpoints.module_state(checkpoint, self._resumption, module, self.engine)
         super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
         if module.trainer.state.fn == TrainerFn.FITTING:  # where the resumed run first draws
             self._resumed_rng = {checkpoints.KEY: checkpoint.get(checkpoints.KEY)}

@@ -15,6 +15,13 @@ save, so a save never overwrites the files of the previous one:
 A crash before step 2 completes leaves the previous checkpoint, and the block
 files it names, untouched; a failed save removes the blocks it wrote.
 
+Block files are :mod:`pyro_distributed.safe_files` files: data only, with
+a header that names the save (its token), the worker and the world size, so a
+block moved, mixed in from another save or from another world size is refused
+by name, as is a truncated or damaged one. Every worker reads its blocks at
+once, outside the engine's time-out, and a worker that cannot read one makes
+every worker raise (:mod:`pyro_distributed.shared_io`).
+
 Loading re-partitions: worker r of W' takes rows ``block_range(N)`` under W'
 from whichever of the W saved blocks overlap them, reading one saved file at a
 time, and slices the optimizer state (every tensor laid out like the
@@ -37,7 +44,6 @@ import glob
 import os
 import re
 import secrets
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,10 +51,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..devices import checkpoint_location
+from .. import safe_files, shared_io
 from ..engines import Engine
 from ..errors import PyroDistributedError
 from .registry import LocalParam
+
+#: What a block file says it is (:mod:`pyro_distributed.safe_files`).
+KIND = "block"
 
 
 def new_token(engine: Engine) -> str:
@@ -61,18 +70,14 @@ def block_path(path: Path, token: str, rank: int, world_size: int) -> Path:
     return path.with_name(f"{path.name}.{token}.block{rank}of{world_size}")
 
 
-def write_atomically(path: Path, state: Any) -> None:
-    """``torch.save`` to a temporary file beside ``path``, flushed, then renamed over it."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+def _block_pattern(path: Path) -> str:
+    return rf"{re.escape(path.name)}\.([0-9a-f]+)\.block(\d+)of(\d+)"
+
+
+def write_block(path: Path, token: str, rank: int, world_size: int, state: Any) -> None:
+    """Write one worker's block file (a test replaces it to make a write fail)."""
+    meta = {"token": token, "rank": rank, "world_size": world_size, "checkpoint": path.name}
+    safe_files.write(block_path(path, token, rank, world_size), KIND, meta, state)
 
 
 def save_blocks(
@@ -83,26 +88,27 @@ def save_blocks(
     values: dict[str, Tensor],
     optim_state: dict[str, Any],
 ) -> None:
-    """Every worker writes its blocks; raise on every worker if any could not."""
-    mine = block_path(path, token, engine.rank, engine.world_size)
+    """Every worker writes its blocks; raise on every worker if any could not.
+
+    The writes run outside the engine's time-out (:mod:`pyro_distributed.shared_io`).
+    """
     state = {
-        "rows": {name: (param.rows.start, param.rows.stop) for name, param in params.items()},
+        "rows": {name: [param.rows.start, param.rows.stop] for name, param in params.items()},
         "params": {name: values[name].detach().cpu() for name in params},
         "optim": {name: optim_state[name] for name in params if name in optim_state},
     }
-    failure = None
-    try:
-        write_atomically(mine, state)
-    except Exception as exc:  # reported to every worker below
-        failure = f"{type(exc).__name__}: {exc}"
-    failures = engine.allgather_object(failure)
-    failed = {rank: message for rank, message in enumerate(failures) if message is not None}
+
+    def write() -> tuple[None, None]:
+        write_block(path, token, engine.rank, engine.world_size, state)
+        return None, None
+
+    failed = shared_io.failures(shared_io.on_each_worker(engine, write).reports)
     if failed:
-        mine.unlink(missing_ok=True)
-        shown = "; ".join(f"worker {rank}: {message}" for rank, message in failed.items())
+        block_path(path, token, engine.rank, engine.world_size).unlink(missing_ok=True)
         raise PyroDistributedError(
             f"could not write the local parameters' blocks of checkpoint "
-            f"{os.fspath(path)!r} ({shown}); the previous checkpoint is intact"
+            f"{os.fspath(path)!r} ({shared_io.describe(failed)}); the previous "
+            f"checkpoint is intact"
         )
 
 
@@ -114,7 +120,7 @@ def remove_blocks(path: Path, keep: str | None = None, *, only_rank: int | None 
     count, so a save or removal of ``last.ckpt`` never touches the blocks of
     ``last.ckpt.ckpt`` or of any other checkpoint in the directory.
     """
-    pattern = re.compile(rf"{re.escape(path.name)}\.([0-9a-f]+)\.block(\d+)of\d+")
+    pattern = re.compile(_block_pattern(path))
     for found in path.parent.glob(f"{glob.escape(path.name)}.*"):
         match = pattern.fullmatch(found.name)
         if match is None:
@@ -125,15 +131,47 @@ def remove_blocks(path: Path, keep: str | None = None, *, only_rank: int | None 
             found.unlink(missing_ok=True)
 
 
+def remove_temporaries(path: Path) -> None:
+    """Delete the temporaries that killed saves of ``path`` and its blocks left
+    (worker 0, once every worker has finished writing)."""
+    names = re.compile(rf"{re.escape(path.name)}|{_block_pattern(path)}")
+    safe_files.remove_temporaries(path.parent, names)
+
+
 def load_blocks(
-    path: Path, meta: dict[str, Any], params: dict[str, LocalParam]
+    path: Path,
+    meta: dict[str, Any],
+    params: dict[str, LocalParam],
+    engine: Engine,
+    *,
+    trusted: bool = False,
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """This worker's rows of every local parameter, and their optimizer state,
-    from the blocks saved by ``meta["world_size"]`` workers."""
+    from the blocks saved by ``meta["world_size"]`` workers (a collective).
+
+    :raises PyroDistributedError: on every worker, if any worker could not read
+        a block it needs, naming the worker and the file.
+    """
+    outcome = shared_io.on_each_worker(
+        engine, lambda: (_read_blocks(path, meta, params, trusted), None)
+    )
+    failed = shared_io.failures(outcome.reports)
+    if failed:
+        raise PyroDistributedError(
+            f"could not read the local parameters' blocks of checkpoint "
+            f"{os.fspath(path)!r}: {shared_io.describe(failed)}"
+        )
+    assert outcome.value is not None
+    return outcome.value
+
+
+def _read_blocks(
+    path: Path, meta: dict[str, Any], params: dict[str, LocalParam], trusted: bool
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
     saved_workers = int(meta["world_size"])
     pieces: dict[str, list[tuple[int, Tensor]]] = {name: [] for name in params}
     states: dict[str, list[tuple[range, range, Any]]] = {name: [] for name in params}
-    for saved in _overlapping_files(path, meta["token"], saved_workers, params):
+    for saved in _overlapping_files(path, meta["token"], saved_workers, params, trusted):
         for name, param in params.items():
             old = range(*saved["rows"][name])
             new = param.rows
@@ -159,28 +197,72 @@ def load_blocks(
 
 
 def _overlapping_files(
-    path: Path, token: str, saved_workers: int, params: dict[str, LocalParam]
+    path: Path, token: str, saved_workers: int, params: dict[str, LocalParam], trusted: bool
 ) -> Iterator[dict[str, Any]]:
-    """The saved block files whose rows overlap this worker's, one at a time."""
+    """The saved block files whose rows overlap this worker's, one at a time,
+    each checked to be the block of that worker of that save."""
     for rank in range(saved_workers):
-        overlaps = False
-        for param in params.values():
-            start, stop = (k * param.size // saved_workers for k in (rank, rank + 1))
-            overlaps |= max(start, param.rows.start) < min(stop, param.rows.stop)
-        if not overlaps:
+        expected = {
+            name: [rank * param.size // saved_workers, (rank + 1) * param.size // saved_workers]
+            for name, param in params.items()
+        }
+        if not any(
+            max(start, params[name].rows.start) < min(stop, params[name].rows.stop)
+            for name, (start, stop) in expected.items()
+        ):
             continue
         file = block_path(path, token, rank, saved_workers)
         try:
-            saved: dict[str, Any] = torch.load(
-                file, map_location=checkpoint_location, weights_only=False
-            )
+            header, saved = safe_files.load(file, KIND, trusted=trusted)
         except FileNotFoundError as exc:
             raise FileNotFoundError(
-                f"the checkpoint {os.fspath(path)!r} names block file {file.name!r}, which "
-                f"this worker cannot read; the checkpoint's directory must be shared by "
-                f"every worker"
+                f"the checkpoint names block file {file.name!r}, which this worker cannot "
+                f"read; the checkpoint's directory must be shared by every worker"
             ) from exc
+        _check_block(file, header, saved, token, rank, saved_workers, expected, params)
         yield saved
+
+
+def _check_block(
+    file: Path,
+    header: safe_files.Header,
+    saved: Any,
+    token: str,
+    rank: int,
+    saved_workers: int,
+    expected: dict[str, list[int]],
+    params: dict[str, LocalParam],
+) -> None:
+    """Refuse a block file that is not worker ``rank``'s of this save, or does not
+    hold the rows it must."""
+    said = (header.meta.get("token"), header.meta.get("rank"), header.meta.get("world_size"))
+    if header.format_version > 3 and said != (token, rank, saved_workers):
+        raise safe_files.UnreadableFile(
+            f"block file {file.name!r} holds worker {said[1]} of {said[2]}'s block of the "
+            f"save {said[0]!r}, not worker {rank} of {saved_workers}'s of the save "
+            f"{token!r} that the checkpoint names: block files were moved or mixed"
+        )
+    well_formed = isinstance(saved, dict) and all(
+        isinstance(saved.get(key), dict) for key in ("rows", "params", "optim")
+    )
+    if not well_formed:
+        raise safe_files.UnreadableFile(f"block file {file.name!r} does not hold a block")
+    for name, rows in expected.items():
+        value = saved["params"].get(name)
+        if (
+            list(saved["rows"].get(name, ())) != rows
+            or _length_along(value, params[name].axis) != rows[1] - rows[0]
+        ):
+            raise safe_files.UnreadableFile(
+                f"block file {file.name!r} does not hold rows {rows[0]}..{rows[1]} of "
+                f"{name!r}, as the checkpoint says it must"
+            )
+
+
+def _length_along(value: Any, axis: int) -> int | None:
+    if not isinstance(value, Tensor) or not -value.dim() <= axis < value.dim():
+        return None
+    return int(value.shape[axis])
 
 
 def _join_states(parts: list[tuple[range, range, Any]], axis: int) -> Any:

@@ -203,6 +203,8 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         # Steps the rows of local_updates="sparse" parameters (optim.sparse_step).
         self._sparse = SparseStepper(pyro_optim)
         self._step = DataParallelStep(engine, options, self)
+        #: What the next step must step, after a checkpoint was loaded (names, file).
+        self._expected: tuple[frozenset[str], str] | None = None
 
     @property
     def grouped(self) -> bool:
@@ -225,6 +227,9 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         """
         # Parameters read under local_updates="sparse" leave here: they have
         # row gradients, not a .grad (pyro_distributed.local.sparse).
+        if self._expected is not None:
+            params = list(params)
+            self._check_expected(params)
         params, sparse = self._sparse.take(params)
         step = self._step
         # SVI hands over a new set of the same tensors at every step: the same
@@ -262,6 +267,28 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
             worker, at the same point.
         """
         step_schedulers(self.wrapped, self.engine, args, kwargs)
+
+    def expect_parameters(self, names: Iterable[str], source: str) -> None:
+        """Refuse the next step unless it steps exactly ``names``: those a
+        checkpoint loaded from ``source`` holds. Parameters a guide creates at
+        its first call cannot be compared when the checkpoint is loaded."""
+        self._expected = (frozenset(names), source)
+
+    def _check_expected(self, params: list[Tensor]) -> None:
+        assert self._expected is not None
+        expected, source = self._expected
+        self._expected = None
+        store = pyro.get_param_store()
+        stepped = {name for name in map(store.param_name, params) if name is not None}
+        new, unused = sorted(stepped - expected), sorted(expected - stepped)
+        if new or unused:
+            said = [f"parameters {new} are trained but not in the checkpoint"] if new else []
+            said += [f"{unused} are in the checkpoint but not trained"] if unused else []
+            raise ValueError(
+                f"the checkpoint {source!r} is of a different model: {'; '.join(said)}. "
+                f"Load this model's checkpoint, or pass strict=False to load_checkpoint "
+                f"to load the parameters the two share"
+            )
 
     def _forget_parameters(self) -> None:
         """Drop per-parameter optimizers and sync records after a checkpoint was loaded.

@@ -121,9 +121,9 @@ def test_corrupt_truncated_foreign_and_missing_files_give_clear_errors(tmp_path:
     torch.save({"weights": torch.zeros(2)}, foreign)
 
     cases = [
-        (garbage, ValueError, "is corrupt or truncated"),
-        (truncated, ValueError, "is corrupt or truncated"),
-        (foreign, ValueError, "is not a pyro_distributed checkpoint"),
+        (garbage, ValueError, "is not a pyro_distributed file"),
+        (truncated, ValueError, "is truncated"),
+        (foreign, ValueError, "is a plain torch.save file"),
         (tmp_path / "missing.pt", FileNotFoundError, "no checkpoint at"),
     ]
     for path, error, message in cases:

@@ -36,6 +36,7 @@ import pytest
 import torch
 
 import pyro_distributed as pd
+from pyro_distributed.checkpoint.files import load_file
 from pyro_distributed.engines import detect_engine
 from pyro_distributed.engines.network import own_addresses
 
@@ -361,14 +362,17 @@ TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "
         ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4"}, "torch"),
         ({"SLURM_PROCID": "0"}, "local"),  # a batch script's one process
         ({"PMI_RANK": "0", **TORCHRUN}, "torch"),  # torchrun's variables win: the user chose torch
-        ({"PMI_RANK": "0", "HOROVOD_RANK": "0"}, "horovod"),  # horovodrun running on MPI
+        # horovodrun running on MPI
+        ({"PMI_RANK": "0", "HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, "horovod"),
+        ({"PMI_RANK": "0", "HOROVOD_RANK": "0"}, "mpi"),  # a stray HOROVOD_RANK launches nothing
     ],
 )
 def test_auto_detection_reads_the_launchers_environment(
     variables: dict[str, str], expected: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     launchers = ["PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"]
-    for name in [*launchers, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "HOROVOD_RANK", *TORCHRUN]:
+    horovodrun = ["HOROVOD_RANK", "HOROVOD_SIZE"]
+    for name in [*launchers, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", *horovodrun, *TORCHRUN]:
         monkeypatch.delenv(name, raising=False)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
@@ -488,7 +492,7 @@ def test_the_survivor_of_a_hang_names_the_collective_and_keeps_the_checkpoint(
     assert "failed on worker 0 of 2" in survivor["message"]
     assert "time-out 3 s" in survivor["message"]
     assert 2.5 < survivor["elapsed"] < 15, survivor
-    assert torch.load(checkpoint, weights_only=False)["num_steps"] == 3
+    assert load_file(checkpoint)["num_steps"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pt"]
 
 
@@ -521,7 +525,7 @@ def test_regression_example_runs_under_mpiexec_and_resumes(tmp_path: Path) -> No
     assert output.count("training on 2 worker(s)") == 1, "only worker 0 prints"
     for fitted, true in zip(test_examples.fitted_weights(output), [2.0, -1.0, 0.5], strict=True):
         assert abs(fitted - true) < 0.1
-    assert torch.load(checkpoint, weights_only=False)["world_size"] == 2
+    assert load_file(checkpoint)["world_size"] == 2
 
 
 def test_a_plain_process_with_the_mpi_engine_is_one_worker() -> None:

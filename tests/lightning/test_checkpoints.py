@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from pyro_distributed import safe_files
 from pyro_distributed.lightning import PyroDistributedStrategy
 
 from ..harness import one_pytest_worker
@@ -54,7 +55,11 @@ def saved_rows(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     local = main_file(path)["pyro_distributed"]["local"]
     workers = local["world_size"]
     blocks = [
-        torch.load(path.with_name(f"{path.name}.{local['token']}.block{r}of{workers}"))
+        safe_files.load(
+            path.with_name(f"{path.name}.{local['token']}.block{r}of{workers}"),
+            "block",
+            trusted=False,
+        )[1]
         for r in range(workers)
     ]
     rows: dict[str, dict[str, torch.Tensor]] = {}

@@ -142,10 +142,10 @@ def failing_second_save(path: str) -> dict[str, Any]:
     _train(svi, x, 3)
     if pd.rank() == 1:
 
-        def refuse(target: Path, state: Any) -> None:
+        def refuse(target: Path, token: str, rank: int, workers: int, state: Any) -> None:
             raise OSError("disk full (injected)")
 
-        pyro_distributed.local.blocks.write_atomically = refuse  # type: ignore[assignment]
+        pyro_distributed.local.blocks.write_block = refuse  # type: ignore[assignment]
     with pytest.raises(pd.PyroDistributedError) as error:
         pd.save_checkpoint(path, optim)
     return {"before": before, "error": str(error.value)}

@@ -1,0 +1,344 @@
+"""Files of tensors and plain data: a header checked first, nothing that runs code.
+
+Every checkpoint and block file the library writes has this layout::
+
+    MAGIC                 16 bytes, "\\x89PYRO-DIST\\r\\n\\x1a\\n\\0\\0" (as PNG's, it
+                          catches files mangled as text)
+    header                HEADER_BYTES of UTF-8 JSON, padded with spaces: the
+                          format version, the versions that wrote it, the
+                          payload's length and SHA-256, what the file is
+    payload               torch.save of tensors, numbers, strings, lists and dicts
+
+Reading takes the header alone first: a file that is not one of ours, is of
+another kind, or was written by a newer format is refused before a byte of the
+payload is interpreted. The payload's length and checksum are checked next, so
+a truncated or bit-flipped file is refused by name, not half loaded. Only then
+is it unpickled, with ``torch.load(weights_only=True)`` and an allow-list the
+caller names (Pyro's constraint classes, for a param store): a file can hold
+data, never choose code. ``trusted=True`` unpickles in full, for state the
+user's own classes hold, and for files of format version 3 and older, which
+were plain ``torch.save`` files.
+
+Files are written as ``torch.save`` writes them, but all or nothing: to a
+temporary name beside the target (created with mode 0666 less the umask),
+flushed and fsynced, renamed over the target, and the directory fsynced so
+that the rename itself survives a crash. Temporaries a killed writer left are
+named ``.<target>.<random>.tmp`` and removed by :func:`remove_temporaries`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import secrets
+from collections.abc import Callable, Iterable
+from contextlib import suppress
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import IO, Any, cast
+
+import torch
+
+from .devices import checkpoint_location
+
+MAGIC = b"\x89PYRO-DIST\r\n\x1a\n\x00\x00"
+HEADER_BYTES = 4096
+#: Version 4 put a checked header before a payload of plain data; versions 1 to 3
+#: were plain ``torch.save`` files of any object.
+FORMAT_VERSION = 4
+#: How a file of version 3 and older starts: a zip archive, torch.save's format.
+_LEGACY_START = b"PK\x03\x04"
+
+_DISTRIBUTIONS = ("pyro-distributed", "torch", "pyro-ppl")
+
+
+def versions() -> dict[str, str]:
+    """The versions of the library, torch and Pyro that write a file now."""
+    found = {}
+    for name in _DISTRIBUTIONS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "unknown"
+    return found
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a file says of itself, read before its payload.
+
+    :param kind: what the file holds (``"checkpoint"``, ``"block"``).
+    :param meta: the writer's small JSON-able description (a block's token, rank, ...).
+    :param versions: the library, torch and Pyro versions that wrote it.
+    :param payload_bytes: the payload's length.
+    :param payload_sha256: the payload's SHA-256, hex.
+    :param format_version: the layout's version; 3 for a plain ``torch.save`` file.
+    """
+
+    kind: str
+    meta: dict[str, Any]
+    versions: dict[str, str]
+    payload_bytes: int
+    payload_sha256: str
+    format_version: int = FORMAT_VERSION
+
+
+class _HashingWriter:
+    """A write-only file that hashes and counts what passes through (torch.save streams)."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self._file = file
+        self.sha256 = hashlib.sha256()
+        self.length = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.length += len(data)
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def write(path: Path, kind: str, meta: dict[str, Any], payload: Any) -> None:
+    """Write ``payload`` (tensors and plain data) to ``path`` with a header, all
+    or nothing; the previous file at ``path`` stays until the rename."""
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    # O_EXCL with 0o666: the mode follows the umask, as torch.save's open() does.
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(MAGIC + b" " * HEADER_BYTES)
+            hashing = _HashingWriter(file)
+            torch.save(payload, cast(IO[bytes], hashing))
+            header = {
+                "format_version": FORMAT_VERSION,
+                "kind": kind,
+                "meta": meta,
+                "versions": versions(),
+                "payload_bytes": hashing.length,
+                "payload_sha256": hashing.sha256.hexdigest(),
+            }
+            encoded = json.dumps(header, sort_keys=True).encode()
+            if len(encoded) > HEADER_BYTES:
+                raise ValueError(f"a file header of {len(encoded)} bytes does not fit")
+            file.seek(len(MAGIC))
+            file.write(encoded)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+
+
+def write_with(path: Path, save: Callable[[IO[bytes]], None]) -> None:
+    """Write a file of another format (Lightning's checkpoint) with ``save(file)``,
+    all or nothing, as :func:`write` does."""
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            save(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (where the platform allows it)."""
+    with suppress(OSError):  # some file systems cannot open or fsync a directory
+        handle = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+
+
+def remove_temporaries(directory: Path, targets: Iterable[str] | re.Pattern[str]) -> None:
+    """Delete what killed writers left: temporaries of the files named ``targets``
+    (names, or a pattern a name must match in full). Call it only while no worker
+    writes into ``directory``."""
+    temporary = re.compile(r"\.(.+)\.[0-9a-f]{8}\.tmp")
+    names = targets if isinstance(targets, re.Pattern) else None
+    listed = set() if isinstance(targets, re.Pattern) else set(targets)
+    for found in directory.glob(".*.tmp"):
+        match = temporary.fullmatch(found.name)
+        if match is None:
+            continue
+        target = match.group(1)
+        if (names is not None and names.fullmatch(target)) or target in listed:
+            found.unlink(missing_ok=True)
+
+
+class _MemoryReader(io.RawIOBase):
+    """A seekable file over bytes already in memory, read without a copy
+    (``io.BytesIO`` would copy them, holding the payload twice)."""
+
+    def __init__(self, data: bytearray | memoryview) -> None:
+        self._view = memoryview(data)
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        count = max(0, min(len(buffer), len(self._view) - self._position))
+        buffer[:count] = self._view[self._position : self._position + count]
+        self._position += count
+        return count
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._position, os.SEEK_END: len(self._view)}
+        self._position = base[whence] + offset
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+
+class UnreadableFile(ValueError):
+    """A file that is missing, damaged, foreign, or holds what may not be loaded."""
+
+
+def read_header(file: io.BufferedIOBase, name: str, kind: str) -> Header:
+    """The header of the open ``file`` (shown as ``name``), which must be of ``kind``.
+
+    A plain ``torch.save`` file of format version 3 and older gives a header of
+    ``format_version=3`` and no checksum.
+
+    :raises UnreadableFile: naming the file and what is wrong with it.
+    """
+    start = file.read(len(MAGIC) + HEADER_BYTES)
+    if start.startswith(_LEGACY_START):
+        size = file.seek(0, os.SEEK_END)
+        file.seek(0)
+        return Header(kind, {}, {}, size, "", format_version=3)
+    if not start.startswith(MAGIC):
+        raise UnreadableFile(f"{name} is not a pyro_distributed file (its first bytes differ)")
+    if len(start) < len(MAGIC) + HEADER_BYTES:
+        raise UnreadableFile(f"{name} is truncated: it ends inside its header")
+    try:
+        fields = json.loads(start[len(MAGIC) :].decode())
+        header = Header(
+            kind=_field(fields, "kind", str),
+            meta=_field(fields, "meta", dict),
+            versions=_field(fields, "versions", dict),
+            payload_bytes=_field(fields, "payload_bytes", int),
+            payload_sha256=_field(fields, "payload_sha256", str),
+            format_version=_field(fields, "format_version", int),
+        )
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError) as exc:
+        raise UnreadableFile(f"{name} has a damaged header ({exc})") from exc
+    if header.format_version > FORMAT_VERSION:
+        raise UnreadableFile(
+            f"{name} has format version {header.format_version} (written by "
+            f"{_written_by(header)}); this pyro_distributed reads version "
+            f"{FORMAT_VERSION} and older: upgrade it"
+        )
+    if header.kind != kind:
+        raise UnreadableFile(f"{name} is a {header.kind} file, not a {kind} file")
+    return header
+
+
+def _field(fields: Any, key: str, kind: type) -> Any:
+    if not isinstance(fields, dict) or not isinstance(fields[key], kind):
+        raise TypeError(f"header entry {key!r} is not a {kind.__name__}")
+    return fields[key]
+
+
+def _written_by(header: Header) -> str:
+    if not header.versions:
+        return "an unknown version"
+    return ", ".join(f"{name} {version}" for name, version in sorted(header.versions.items()))
+
+
+def read_payload(file: io.BufferedIOBase, header: Header, name: str) -> bytearray:
+    """The payload that follows the header, checked against its length and checksum.
+
+    :raises UnreadableFile: if the file is truncated, too long or damaged.
+    """
+    payload = bytearray(header.payload_bytes)
+    got = file.readinto(payload)
+    if got != header.payload_bytes:
+        raise UnreadableFile(
+            f"{name} is truncated: its header promises {header.payload_bytes} bytes of "
+            f"data and {got} follow"
+        )
+    if file.read(1):
+        raise UnreadableFile(f"{name} is damaged: data follows the end its header gives")
+    if header.format_version > 3 and hashlib.sha256(payload).hexdigest() != header.payload_sha256:
+        raise UnreadableFile(f"{name} is damaged: its data does not match the header's checksum")
+    return payload
+
+
+def decode(
+    payload: bytearray | memoryview,
+    header: Header,
+    name: str,
+    *,
+    trusted: bool,
+    allowed: Iterable[Any] = (),
+) -> Any:
+    """Unpickle a checked payload: as data, with the ``allowed`` classes and
+    functions, unless ``trusted``.
+
+    :raises UnreadableFile: naming a class the file needs and may not load, or
+        what else stopped it.
+    """
+    if header.format_version <= 3 and not trusted:
+        raise UnreadableFile(
+            f"{name} is a plain torch.save file, not a pyro_distributed file of format "
+            f"version 4 or later: reading it means unpickling it, which can run any code "
+            f"it holds. If it was written by pyro_distributed 0.x and you trust it, "
+            f"load it once with trusted=True, and save it again"
+        )
+    stream = cast(IO[bytes], _MemoryReader(payload))
+    try:
+        if trusted:
+            return torch.load(stream, map_location=checkpoint_location, weights_only=False)
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(stream, map_location=checkpoint_location, weights_only=True)
+    except Exception as exc:
+        needed = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if needed is not None:
+            raise UnreadableFile(
+                f"{name} needs {needed.group(1)}, which this process does not allow "
+                f"a file to load (written by {_written_by(header)}; this is "
+                f"{_written_by(Header('', {}, versions(), 0, ''))}). If it is a class "
+                f"of yours, or you trust the file, load it with trusted=True"
+            ) from None
+        raise UnreadableFile(
+            f"{name} could not be read ({type(exc).__name__}: {_first_line(exc)})"
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+def load(
+    path: Path, kind: str, *, trusted: bool, allowed: Iterable[Any] = ()
+) -> tuple[Header, Any]:
+    """Read, check and decode the file at ``path`` in one go (a block file, say).
+
+    :raises FileNotFoundError: if there is none.
+    :raises UnreadableFile: if it cannot be loaded, saying why.
+    """
+    name = repr(os.fspath(path))
+    with open(path, "rb") as file:
+        header = read_header(file, name, kind)
+        payload = read_payload(file, header, name)
+    return header, decode(payload, header, name, trusted=trusted, allowed=allowed)
