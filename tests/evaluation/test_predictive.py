@@ -141,7 +141,8 @@ def test_sample_counts_that_are_not_integers_are_refused_by_name(count: object) 
 def test_integer_counts_that_pyro_takes_are_taken() -> None:
     # pyro.infer.Predictive draws with NumPy's integers and integer tensors.
     for count in (np.int64(3), torch.tensor(3)):
-        samples = pd.Predictive(model, guide=trained_guide(), num_samples=count, seed=0)(data())
+        predictive = pd.Predictive(model, guide=trained_guide(), num_samples=count, seed=0)  # type: ignore[arg-type]
+        samples = predictive(data())
         assert samples is not None
         assert samples["y"].shape == (3, N)
 
@@ -157,4 +158,4 @@ def test_posterior_samples_without_rows_are_refused_by_name() -> None:
 
 def test_return_sites_that_are_not_a_collection_are_refused_by_name() -> None:
     with pytest.raises(TypeError, match="return_sites must be a list, tuple or set"):
-        pd.Predictive(model, num_samples=2, return_sites="y")  # type: ignore[arg-type]
+        pd.Predictive(model, num_samples=2, return_sites="y")
