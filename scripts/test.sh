@@ -25,6 +25,16 @@
 # lint, types, import layers, and pytest --quick: the package's in-process
 # tests and its two-worker tests on the torch engine (tests/conftest.py says
 # which are left out: every other launcher, W=3, the examples and docs).
+#
+# The Slurm tests start a one-node Slurm (scripts/start_slurm.sh: munged,
+# slurmctld, slurmd) unless it is running already; the daemons this command
+# started are stopped when its last pytest process ends, and daemons that were
+# running before are left running. To keep them for the next run (whose start
+# then takes well under a second):
+#
+#   PYRO_DISTRIBUTED_KEEP_SLURM=1 bash scripts/test.sh
+#
+# and `bash scripts/start_slurm.sh stop` stops them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=

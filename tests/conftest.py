@@ -45,6 +45,12 @@ def pytest_configure(config: pytest.Config) -> None:
     _refuse_loadgroup_that_does_not_group(config)
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # The one-node Slurm stops with the last process of the run that started it
+    # (tests/slurm.py), unless PYRO_DISTRIBUTED_KEEP_SLURM=1.
+    slurm.release_held()
+
+
 def _refuse_loadgroup_that_does_not_group(config: pytest.Config) -> None:
     """From pytest 9.2, pytest-xdist 3.8's ``--dist loadgroup`` silently stops
     grouping (it renames tests to carry their group, and pytest 9.2 ignores

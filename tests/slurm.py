@@ -10,8 +10,12 @@ venv's ``python`` first on the ``PATH`` (so the tasks import its mpi4py and
 MPICH), one thread per process, and a time limit after which the job is
 cancelled and ``srun`` killed.
 
-The daemons outlive the test run (the next run finds them up in well under a
-second); ``bash scripts/start_slurm.sh stop`` stops them.
+Each process that uses them holds the daemons (``--for`` its pid) and releases
+them at its exit: daemons that a test run started stop when the last process
+of the run (pytest-xdist's workers, or a concurrent run) is done, and daemons
+that were running before are left running. ``PYRO_DISTRIBUTED_KEEP_SLURM=1``
+keeps them for the next run, which then finds them up in well under a second;
+``bash scripts/start_slurm.sh stop`` stops them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import functools
 import itertools
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -45,10 +50,31 @@ def _start() -> tuple[str | None, str | None]:
     """``(SLURM_CONF, None)`` once Slurm is usable, else ``(None, why not)``."""
     if os.geteuid() != 0:
         return None, "not root (scripts/start_slurm.sh starts the Slurm daemons as root)"
+    conf, why = start_for(os.getpid(), os.environ)
+    if conf is not None:
+        _held.append(os.getpid())
+    return conf, why
+
+
+#: This process, once it holds the daemons (``_start`` succeeded).
+_held: list[int] = []
+
+
+def release_held() -> None:
+    """Release the daemons if this process holds them (``tests/conftest.py``
+    calls it as pytest ends, in each pytest-xdist worker)."""
+    while _held:
+        release(_held.pop(), os.environ)
+
+
+def start_for(holder: int, environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """Run ``scripts/start_slurm.sh --for HOLDER`` with ``environ`` (less any
+    launcher's variables): ``(SLURM_CONF, None)`` once Slurm is usable, else
+    ``(None, why not)``. The daemons are held for ``holder`` until :func:`release`."""
     try:
         done = subprocess.run(
-            ["bash", str(START)], capture_output=True, text=True, timeout=START_TIMEOUT,
-            stdin=subprocess.DEVNULL, check=False, env=_clean(os.environ),
+            ["bash", str(START), "--for", str(holder)], capture_output=True, text=True,
+            timeout=START_TIMEOUT, stdin=subprocess.DEVNULL, check=False, env=_clean(environ),
         )  # fmt: skip
     except subprocess.TimeoutExpired:
         return None, f"scripts/start_slurm.sh did not finish within {START_TIMEOUT:g} s"
@@ -60,6 +86,16 @@ def _start() -> tuple[str | None, str | None]:
         return ready.group(1), None
     why = last.removeprefix("slurm: unavailable: ") or f"exit code {done.returncode}"
     return None, f"scripts/start_slurm.sh: {why}"
+
+
+def release(holder: int, environ: Mapping[str, str]) -> str:
+    """``scripts/start_slurm.sh release HOLDER``: what it said (``slurm:
+    stopped`` where ``holder`` was the last to hold daemons a test run started)."""
+    done = subprocess.run(
+        ["bash", str(START), "release", str(holder)], capture_output=True, text=True,
+        timeout=START_TIMEOUT, stdin=subprocess.DEVNULL, check=False, env=_clean(environ),
+    )  # fmt: skip
+    return (done.stdout + done.stderr).strip()
 
 
 def unavailable() -> str | None:
@@ -102,9 +138,14 @@ def srun(
     *,
     timeout: float = 180.0,
     env: Mapping[str, str] | None = None,
+    typed: str | None = None,
 ) -> tuple[int, str]:
     """``srun OPTIONS COMMAND`` from the checkout's root: its exit code and its
     output (every task's stdout and stderr, and srun's own, interleaved).
+
+    ``typed``: run ``srun`` in a terminal of its own (util-linux's ``script``),
+    as from a user's shell, and type this text into it; what a ``--pty`` step
+    reads, it reads from there.
 
     Every step is a job of its own on the one node, ended when any task fails
     (``--kill-on-bad-exit``) and, server-side, after a few minutes; one not
@@ -119,12 +160,16 @@ def srun(
         f"--immediate={IMMEDIATE}", *options, *command,
     ]  # fmt: skip
     run_env = environment(env)
+    if typed is not None:
+        # -e: script exits with srun's code; -q: nothing of its own.
+        full = ["script", "-qec", shlex.join(full), "/dev/null"]
     process = subprocess.Popen(
-        full, cwd=ROOT, env=run_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        full, cwd=ROOT, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL if typed is None else subprocess.PIPE, text=True,
+        start_new_session=True,
     )  # fmt: skip
     try:
-        output, _ = process.communicate(timeout=timeout)
+        output, _ = process.communicate(typed, timeout=timeout)
     except subprocess.TimeoutExpired:
         subprocess.run(["scancel", f"--name={name}"], env=run_env, timeout=30, check=False)
         os.killpg(process.pid, signal.SIGKILL)
