@@ -16,6 +16,16 @@ is plain anndata::
                      obs_names=model.adata.obs_names)
     anndata.read_h5ad("abundances.h5ad").obsm["q50_cell_abundance_w_sf"]   # every spot
 
+The rows arrive in datasets that have no name in the file yet, so a write
+that fails or is killed part of the way leaves the previous results of
+every key as they were. Once every row of every key is in, each key is
+swapped in with two link operations of HDF5: the previous dataset is renamed
+to a backup name, the new one linked under the key, then the backup deleted.
+A process killed between those steps leaves the backup in ``obsm``, which
+the next :func:`write_owned_obsm` into the file resolves first: a backup
+whose key is missing is the previous result and is renamed back, one beside
+its key is deleted.
+
 .. warning::
     A collective: call it on every worker with the same keys. Each worker's
     blocks must be its rows of the observations in rank order (worker 0's
@@ -43,6 +53,10 @@ __all__ = ["write_owned_obsm"]
 
 # How anndata marks a dense array in an .h5ad (its on-disk format, 0.8 and later).
 _ARRAY_ENCODING = {"encoding-type": "array", "encoding-version": "0.2.0"}
+# The name in obsm under which a key's previous dataset waits while the new
+# one is linked in its place. It lives in obsm because anndata refuses a file
+# with groups of its own at the top.
+_BACKUP_SUFFIX = "~pyro_distributed_previous"
 
 
 def write_owned_obsm(
@@ -52,7 +66,9 @@ def write_owned_obsm(
 
     :param path: an ``.h5ad`` with ``len(obs_names)`` observations, whose
         ``obsm`` gains (or has replaced) these keys; if there is no such file,
-        one is made holding the observation names and these keys only.
+        one is made holding the observation names and these keys only. A
+        key's previous values stay in the file until every row of every key
+        has arrived, so a write that fails on the way leaves them as they were.
     :param blocks: this worker's rows of each result (NumPy arrays, tensors
         or anything ``numpy.asarray`` takes), observations along axis 0.
     :param obs_names: every observation's name, in the AnnData's order (the
@@ -91,6 +107,8 @@ def write_owned_obsm(
         _check(path, views)
         sink = _ObsmSink(target) if target is not None else None
         stream_pieces(engine, pieces, dict.fromkeys(pieces, 0), sink)
+        if sink is not None:
+            sink.swap()  # only now, with every row of every key in
     finally:
         if target is not None:
             target.close()
@@ -113,10 +131,21 @@ def _open(path: Path, obs_names: list[str]) -> Any:
         n_obs = handle["obs"][index].shape[0]
         if n_obs != len(obs_names):
             raise ValueError(f"it holds {n_obs} observations, obs_names has {len(obs_names)}")
+        _recover(handle["obsm"])
     except BaseException:
         handle.close()
         raise
     return handle
+
+
+def _recover(obsm: Any) -> None:
+    """Finish the swaps of a write that was killed between them (see the module's docstring)."""
+    for backup in [name for name in obsm if name.endswith(_BACKUP_SUFFIX)]:
+        key = backup[: -len(_BACKUP_SUFFIX)]
+        if key in obsm:
+            del obsm[backup]  # the new dataset was linked: the backup is stale
+        else:
+            obsm.move(backup, key)  # killed before the new one was linked
 
 
 def _check(path: str | Path, views: list[tuple[dict[str, int], int, str | None]]) -> None:
@@ -124,6 +153,13 @@ def _check(path: str | Path, views: list[tuple[dict[str, int], int, str | None]]
     rows, n_obs, verdict = views[0]
     if verdict is not None:
         raise PyroDistributedError(f"worker 0 cannot write results into {path}: {verdict}")
+    for key in rows:
+        if key.endswith(_BACKUP_SUFFIX):
+            raise ValueError(
+                f"write_owned_obsm: the key {key!r} ends with {_BACKUP_SUFFIX!r}, the "
+                f"name under which a key's previous values wait while it is replaced; "
+                f"choose another key"
+            )
     for rank, (keys, _, _) in enumerate(views):
         if set(keys) != set(rows):
             raise ValueError(
@@ -140,20 +176,38 @@ def _check(path: str | Path, views: list[tuple[dict[str, int], int, str | None]]
 
 
 class _ObsmSink:
-    """Worker 0's end: each piece written into its place in ``obsm`` as it arrives."""
+    """Worker 0's end: each piece written as it arrives into a dataset of its
+    key that has no name yet, every key swapped in by :meth:`swap` at the end."""
 
     def __init__(self, handle: Any) -> None:
         self._obsm = handle["obsm"]
+        self._new: dict[str, Any] = {}
 
     def start(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, axis: int) -> None:
-        if name in self._obsm:
-            del self._obsm[name]
         numpy_dtype = torch.empty(0, dtype=dtype, device="cpu").numpy().dtype
-        dataset = self._obsm.create_dataset(name, shape=shape, dtype=numpy_dtype)
+        # Anonymous: no reader sees it, and if the write fails HDF5 drops it
+        # when the file is closed.
+        dataset = self._obsm.create_dataset(None, shape=shape, dtype=numpy_dtype)
         dataset.attrs.update(_ARRAY_ENCODING)
+        self._new[name] = dataset
 
     def put(self, name: str, offset: int, piece: Tensor) -> None:
-        self._obsm[name][offset : offset + piece.shape[0]] = piece.numpy()
+        self._new[name][offset : offset + piece.shape[0]] = piece.numpy()
 
     def shared(self, name: str, value: Tensor) -> None:  # pragma: no cover - every key is joined
         raise AssertionError(f"{name!r} was not joined along the observations")
+
+    def swap(self) -> None:
+        """Link every new dataset under its key, in place of the previous one."""
+        for name, dataset in self._new.items():
+            backup = name + _BACKUP_SUFFIX
+            if name in self._obsm:
+                self._obsm.move(name, backup)
+            try:
+                self._obsm[name] = dataset
+            except BaseException:
+                if backup in self._obsm:
+                    self._obsm.move(backup, name)
+                raise
+            if backup in self._obsm:
+                del self._obsm[backup]
