@@ -129,11 +129,11 @@ def load(
             f"the checkpoint {os.fspath(path)!r} holds {len(state['schedulers'])} "
             f"scheduler(s); {len(schedulers)} were passed"
         )
+    if local:  # read before anything changes, so that a bad block leaves the run as it was
+        values, local_state = load_blocks(where, state["local"], local, engine, trusted=trusted)
     module.load_state_dict(state["module"], strict=False)
     saved_optimizer = state["optimizer"]
     if local:
-        # Each worker reads the blocks it needs, from where worker 0 found the checkpoint.
-        values, local_state = load_blocks(where, state["local"], local, engine, trusted=trusted)
         named = dict(module.named_parameters())
         indices = state_indices(optimizer)
         for name, value in values.items():

@@ -73,11 +73,15 @@ def load(
     local = files.local_params_of(state)
     _check_compatible(os.fspath(path), state, local, strict)
 
-    _restore_param_store(state["param_store"], local)
+    values: dict[str, torch.Tensor] = {}
     local_state: dict[str, Any] = {}
     if state.get("local") is not None:
-        # Each worker reads the blocks it needs, from where worker 0 found the checkpoint.
+        # Each worker reads the blocks it needs, from where worker 0 found the
+        # checkpoint, before anything changes: a block that cannot be read
+        # leaves the run as it was.
         values, local_state = load_blocks(where, state["local"], local, engine, trusted=trusted)
+    _restore_param_store(state["param_store"], local)
+    if values:
         _restore_local(values, local, state["param_store"]["constraints"])
     optim._forget_parameters()
     if strict:

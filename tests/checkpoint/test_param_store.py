@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from torch.distributions import constraints, transform_to
 from torch.distributions.transforms import identity_transform
 
 import pyro_distributed as pd
+from pyro_distributed import safe_files
+from pyro_distributed.checkpoint import files
 
 from ..harness import run_workers
 from ..models import bayesian_regression, param_values, regression_data
@@ -212,3 +215,103 @@ def test_pyro_module_networks_train_on_from_the_loaded_values(tmp_path: Path) ->
     assert torch.equal(resumed["weight"], saved["weight"])
     moved, _ = run_workers(_pyro_module_run, path, True, 3)
     assert not torch.equal(moved["weight"], saved["weight"]), "training goes on from there"
+
+
+def _model_a(x: torch.Tensor) -> None:
+    loc = pyro.param("a_loc", torch.zeros(()))
+    with pyro.plate("data", len(x)):
+        pyro.sample("obs", dist.Normal(loc, 1.0), obs=x)
+
+
+def _model_b(x: torch.Tensor) -> None:
+    scale = pyro.sample("scale", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("data", len(x)):
+        pyro.sample("obs", dist.Normal(0.0, scale), obs=x)
+
+
+def _another_models_guide_after_clearing_the_store(path: str) -> dict[str, Any]:
+    """Save model A, clear the store, build model B's guide (no parameters yet), load."""
+    x = torch.randn(8)
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
+    svi = SVI(_model_a, lambda x: None, optim, Trace_ELBO())
+    for _ in range(5):
+        svi.step(x)
+    pd.save_checkpoint(path, optim)
+    pyro.clear_param_store()
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
+    svi = SVI(_model_b, AutoNormal(_model_b), optim, Trace_ELBO())
+    start = pd.load_checkpoint(path, optim)
+    with pytest.raises(ValueError) as info:
+        svi.step(x)
+    names = sorted(pyro.get_param_store().keys())
+    values = {name: pyro.param(name).detach().clone() for name in names}
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
+    pyro.clear_param_store()
+    svi = SVI(_model_b, AutoNormal(_model_b), optim, Trace_ELBO())
+    partial = pd.load_checkpoint(path, optim, strict=False)
+    svi.step(x)  # strict=False: what the two share (nothing) is loaded, and B trains
+    return {"start": start, "error": str(info.value), "values": values, "partial": partial}
+
+
+def test_another_models_checkpoint_is_refused_when_the_store_is_empty(tmp_path: Path) -> None:
+    path = str(tmp_path / "a.pt")
+    workers = run_workers(_another_models_guide_after_clearing_the_store, path)
+    for worker in workers:
+        assert worker["start"] == 5
+        assert "is of a different model" in worker["error"], worker["error"]
+        assert "['AutoNormal.locs.scale', 'AutoNormal.scales.scale'] are trained" in worker["error"]
+        assert "['a_loc'] are in the checkpoint but not trained" in worker["error"]
+        assert "strict=False" in worker["error"]
+        assert worker["partial"] == 5
+    # The refused step changed nothing: B's initial values, A's loaded ones.
+    assert workers[0]["values"]["AutoNormal.scales.scale"].item() == pytest.approx(0.1)
+
+
+def _constraint_changed(path: str) -> str:
+    pyro.param("w", torch.ones(3), constraint=constraints.positive)
+    return _load_expecting(path, ValueError)
+
+
+def test_a_parameter_of_another_constraint_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.pt"
+    run_workers(_write_checkpoint, str(path))
+    for message in run_workers(_constraint_changed, str(path)):
+        assert "is of a different model" in message
+        assert "parameters differ in constraint ('w': Real() saved, GreaterThan" in message
+
+
+def _slow_write(path: Path, state: dict[str, Any]) -> None:
+    time.sleep(SLOW_S)  # longer than the engine's time-out: storage this slow must not fail
+    safe_files.write(path, "checkpoint", {"format": "x"}, state)
+
+
+def _save_and_load_on_slow_storage(path: str) -> dict[str, Any]:
+    pd.init("torch", timeout=SLOW_S / 2)
+    svi, optim, data = _new_run()
+    _train(svi, optim, data, 3)
+    before = _snapshot(optim)
+    if pd.rank() == 0:
+        files.write_checkpoint = _slow_write  # type: ignore[assignment]
+        real_read = files.safe_files.read_payload
+
+        def slow_read(*args: Any) -> bytearray:
+            time.sleep(SLOW_S)
+            return real_read(*args)
+
+        files.safe_files.read_payload = slow_read  # type: ignore[assignment]
+    began = time.monotonic()
+    pd.save_checkpoint(path, optim)
+    _train(svi, optim, data, 2)
+    assert pd.load_checkpoint(path, optim) == 3
+    return {"before": before, "after": _snapshot(optim), "took": time.monotonic() - began}
+
+
+SLOW_S = 4.0
+
+
+def test_a_save_and_a_load_on_slow_storage_outlast_the_engines_time_out(tmp_path: Path) -> None:
+    path = str(tmp_path / "run.pt")
+    workers = run_workers(_save_and_load_on_slow_storage, path, engine="")
+    for worker in workers:
+        assert worker["took"] > 2 * SLOW_S  # both waited past the engine's time-out
+        assert_same_state(worker["after"]["params"], worker["before"]["params"])
