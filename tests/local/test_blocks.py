@@ -9,6 +9,7 @@ and keep the global parameters and their state intact.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from pyro.infer import SVI, Trace_ELBO
 
 import pyro_distributed as pd
 import pyro_distributed.local.blocks
+import pyro_distributed.local.registry
 
 from ..checkpoint.test_param_store import assert_same_state
 from ..harness import run_workers
@@ -192,3 +194,37 @@ def test_removing_blocks_touches_exactly_that_checkpoints_files(tmp_path: Path) 
         "last.ckpt.ffff00.block0of2",
         "last.ckpt.ffff00.block1of2",
     }
+
+
+class _Mkdir:
+    """A pickle that makes a directory when it is loaded."""
+
+    def __init__(self, where: Path) -> None:
+        self.where = where
+
+    def __reduce__(self) -> Any:
+        return (os.mkdir, (str(self.where),))
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+def test_a_block_file_is_data_unless_trusted_by_name(tmp_path: Path, trusted: bool) -> None:
+    pd.init("local")
+    blocks = pyro_distributed.local.blocks
+    made = tmp_path / "made-by-the-file"
+    path = tmp_path / "run.pt"
+    param = pyro_distributed.local.registry.LocalParam("z", "data", 4, -1)
+    hostile = {
+        "rows": {"z": [0, 4]},
+        "params": {"z": torch.zeros(4)},
+        "optim": {},
+        "x": _Mkdir(made),
+    }
+    blocks.write_block(path, "0a1b2c", 0, 1, hostile)
+    meta = {"token": "0a1b2c", "world_size": 1}
+    if trusted:  # asked for by name (Lightning's weights_only=False): the code runs
+        blocks.load_blocks(path, meta, {"z": param}, pd.current_engine(), trusted=True)
+        assert made.is_dir()
+        return
+    with pytest.raises(pd.PyroDistributedError, match=r"worker 0: .*needs (posix|os)\.mkdir"):
+        blocks.load_blocks(path, meta, {"z": param}, pd.current_engine())
+    assert not made.exists()
