@@ -107,40 +107,34 @@ class _HashingWriter:
 def write(path: Path, kind: str, meta: dict[str, Any], payload: Any) -> None:
     """Write ``payload`` (tensors and plain data) to ``path`` with a header, all
     or nothing; the previous file at ``path`` stays until the rename."""
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    # O_EXCL with 0o666: the mode follows the umask, as torch.save's open() does.
-    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(MAGIC + b" " * HEADER_BYTES)
-            hashing = _HashingWriter(file)
-            torch.save(payload, cast(IO[bytes], hashing))
-            header = {
-                "format_version": FORMAT_VERSION,
-                "kind": kind,
-                "meta": meta,
-                "versions": versions(),
-                "payload_bytes": hashing.length,
-                "payload_sha256": hashing.sha256.hexdigest(),
-            }
-            encoded = json.dumps(header, sort_keys=True).encode()
-            if len(encoded) > HEADER_BYTES:
-                raise ValueError(f"a file header of {len(encoded)} bytes does not fit")
-            file.seek(len(MAGIC))
-            file.write(encoded)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    fsync_directory(path.parent)
+
+    def save(file: IO[bytes]) -> None:
+        file.write(MAGIC + b" " * HEADER_BYTES)  # the header is written last, here
+        hashing = _HashingWriter(file)
+        torch.save(payload, cast(IO[bytes], hashing))
+        header = {
+            "format_version": FORMAT_VERSION,
+            "kind": kind,
+            "meta": meta,
+            "versions": versions(),
+            "payload_bytes": hashing.length,
+            "payload_sha256": hashing.sha256.hexdigest(),
+        }
+        encoded = json.dumps(header, sort_keys=True).encode()
+        if len(encoded) > HEADER_BYTES:
+            raise ValueError(f"a file header of {len(encoded)} bytes does not fit")
+        file.seek(len(MAGIC))
+        file.write(encoded)
+
+    write_with(path, save)
 
 
 def write_with(path: Path, save: Callable[[IO[bytes]], None]) -> None:
-    """Write a file of another format (Lightning's checkpoint) with ``save(file)``,
-    all or nothing, as :func:`write` does."""
+    """Write ``path`` with ``save(file)`` (also a file of another format,
+    Lightning's checkpoint): to a temporary file beside it, flushed and fsynced,
+    renamed over it, and the directory fsynced."""
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    # O_EXCL with 0o666: the mode follows the umask, as torch.save's open() does.
     handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(handle, "wb") as file:
