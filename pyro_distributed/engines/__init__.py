@@ -16,7 +16,7 @@ from datetime import timedelta
 
 from ..errors import PyroDistributedError
 from .base import DEFAULT_TIMEOUT, Engine, Pending
-from .launchers import check_world_size
+from .launchers import check_world_size, warn_if_started_from_an_interactive_step
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -69,12 +69,19 @@ def detect_engine() -> str:
     ``torchrun``, when a torch.distributed process group already exists, or
     by a multi-task ``srun`` without a PMI; ``mpi`` when launched by
     ``mpirun``, ``mpiexec`` or ``srun`` with a PMI;
-    ``local`` otherwise. Each engine class is asked, highest
-    :attr:`~Engine.detection_priority` first. Detection reads the environment
-    only: it imports no optional transport (not even mpi4py).
+    ``local`` otherwise, with an
+    :class:`~pyro_distributed.engines.launchers.InteractiveStepWarning` where
+    this process was started from an interactive ``srun --pty`` step's shell.
+    Each engine class is asked, highest :attr:`~Engine.detection_priority`
+    first. Detection reads the environment (and, in a ``srun --pty`` step,
+    what the step's task is) only: it imports no optional transport (not
+    even mpi4py).
     """
     classes = sorted(map(engine_class, ENGINE_NAMES), key=lambda c: -c.detection_priority)
-    return next(c.name for c in classes if c.detected())
+    name = next(c.name for c in classes if c.detected())
+    if name == "local":  # where no other launcher (torchrun from that shell, say) says more
+        warn_if_started_from_an_interactive_step()
+    return name
 
 
 def create_engine(name: str, timeout: timedelta = DEFAULT_TIMEOUT) -> Engine:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
+from .launchers import horovodrun_present
 
 INSTALL_HINT = (
     "Horovod is not installed. Build and install it for your torch with "
@@ -66,8 +67,9 @@ class HorovodEngine(Engine):
 
     @staticmethod
     def detected() -> bool:
-        """Whether this process was launched by ``horovodrun``."""
-        return "HOROVOD_RANK" in os.environ
+        """Whether this process was launched by ``horovodrun`` (by all of its
+        variables: a stray ``HOROVOD_RANK`` in a shell launches nothing)."""
+        return horovodrun_present()
 
     def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT, process_set: Any = None) -> None:
         super().__init__(timeout)

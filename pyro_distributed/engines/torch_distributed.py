@@ -37,6 +37,7 @@ from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
 from .launchers import (
     TORCHRUN_VARIABLES,
     mpi_launcher_present,
+    parse_master_port,
     slurm_step,
     torch_rendezvous_from_slurm,
 )
@@ -89,8 +90,12 @@ class TorchEngine(Engine):
             missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
             if missing and slurm_step():
                 slurm = torch_rendezvous_from_slurm()
+                slurm.check_port_is_free()
                 self._local_rank = slurm.local_rank
-                self._join_group(timeout, slurm.url, slurm.address, slurm.port)
+                # Keys under the step's ids: tasks of another step that meet
+                # this store on a shared port never read or write its keys.
+                prefix = f"pyro_distributed/slurm/{slurm.step}"
+                self._join_group(timeout, slurm.url, slurm.address, slurm.port, prefix)
             elif missing:
                 raise PyroDistributedError(
                     f"engine='torch' found no process group and no torchrun environment "
@@ -98,8 +103,9 @@ class TorchEngine(Engine):
                     f"script.py`, or call torch.distributed.init_process_group() first."
                 )
             else:
-                master = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-                self._join_group(timeout, "env://", *master)
+                # A ValueError that names the variable, not int()'s bare one.
+                port = parse_master_port(os.environ["MASTER_PORT"])
+                self._join_group(timeout, "env://", os.environ["MASTER_ADDR"], port)
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
         if self._local_rank < 0:
@@ -113,10 +119,17 @@ class TorchEngine(Engine):
         self._learn_peers()
         self._cuda_backend = self._transport_for_cuda_tensors()
 
-    def _join_group(self, timeout: timedelta, url: str, master_addr: str, port: int) -> None:
+    def _join_group(
+        self,
+        timeout: timedelta,
+        url: str,
+        master_addr: str,
+        port: int,
+        prefix: str = "pyro_distributed",
+    ) -> None:
         """Join the group at ``url`` (torchrun's ``env://``, or a Slurm step's
-        ``tcp://``), with keys unique to this restart, over an interface that
-        the other hosts can reach.
+        ``tcp://``), with keys under ``prefix`` and unique to this restart,
+        over an interface that the other hosts can reach.
 
         After ``torchrun --max-restarts`` restarts a job on its agent's store
         (``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's default), that store
@@ -130,7 +143,7 @@ class TorchEngine(Engine):
         checks that no worker would advertise a loopback address to another
         host (:mod:`.network`): gloo's own connect would wait unbounded.
         """
-        store, rank, world_size = _store_of_this_attempt(url, timeout, "pyro_distributed")
+        store, rank, world_size = _store_of_this_attempt(url, timeout, prefix)
         if world_size > 1:
             choose_gloo_interface(master_addr, port)
             check_peer_addresses(store, rank, world_size)

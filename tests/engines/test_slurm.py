@@ -7,7 +7,9 @@ tasks of 2 cores (``--overcommit``) with ``--mpi=pmi2``; the torch engine's
 rendezvous at W=3 runs ``tests/scripts/join_and_report.py`` alone (three gloo
 workers train on two cores twice as slowly as MPI's); and the Lightning
 strategy's test script on ``-N 1 --ntasks-per-node 2`` (Lightning's
-SLURMEnvironment).
+SLURMEnvironment). The torch engine's store port is checked with and without
+ports that ``srun`` reserved for the step, and an interactive ``srun --pty
+bash`` is typed into as a user would, in a terminal of its own.
 
 The example runs unchanged through ``runpy``; after it, every task prints the
 engine it joined and a digest of its final parameters, so that a test can tell
@@ -18,11 +20,14 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from pyro_distributed.engines.launchers import slurm_step_port
 
 from .. import slurm
 from ..lightning.reference import FIT_EPOCHS, fit_on_lightnings_own_launcher, fit_regression_options
@@ -131,6 +136,60 @@ def test_three_tasks_without_a_pmi_join_one_torch_world() -> None:
     assert code == 0, f"exit {code}\n{output[-6000:]}"
     joined = sorted(line for line in output.splitlines() if line.startswith("joined "))
     assert joined == [f"joined torch {rank} 3 3" for rank in range(3)], output
+
+
+#: Says which port this task's rendezvous takes, then runs join_and_report.py.
+PORT_REPORT = f"""
+import runpy, sys
+from pyro_distributed.engines.launchers import torch_rendezvous_from_slurm
+rendezvous = torch_rendezvous_from_slurm()
+print(f"task {{rendezvous.rank}} port {{rendezvous.port}} {{rendezvous.port_source}}", flush=True)
+sys.argv = ["{JOIN_AND_REPORT}", "auto"]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def ports_taken(options: list[str]) -> tuple[list[str], str]:
+    """Each task's ``port P SOURCE`` line of a 2-task step without a PMI, by rank,
+    once both joined one torch world; and the output."""
+    code, output = slurm.srun(["-n", "2", "--mpi=none", *options], ["python", "-c", PORT_REPORT])
+    assert code == 0, f"exit {code}\n{output[-6000:]}"
+    joined = sorted(line for line in output.splitlines() if line.startswith("joined "))
+    assert joined == [f"joined torch {rank} 2 2" for rank in range(2)], output
+    said = dict(re.findall(r"^task (\d) (port .*)$", output, re.MULTILINE))
+    return [said[str(rank)] for rank in range(2)], output
+
+
+def test_the_store_takes_the_port_that_srun_reserved_for_the_step() -> None:
+    said, output = ports_taken(["--resv-ports=1"])
+    assert said[0] == said[1], output
+    found = re.fullmatch(r"port (\d+) SLURM_STEP_RESV_PORTS=(\d+)", said[0])
+    assert found and found.group(1) == found.group(2), output
+    assert 12000 <= int(found.group(1)) <= 12999  # start_slurm.sh's MpiParams=ports
+
+
+def test_without_reserved_ports_every_task_derives_the_same_port_from_the_ids() -> None:
+    said, output = ports_taken(["--resv-ports=0"])
+    assert said[0] == said[1], output
+    found = re.fullmatch(r"port (\d+) derived from SLURM_JOB_ID=(\d+) and SLURM_STEP_ID=0", said[0])
+    assert found, output
+    assert int(found.group(1)) == slurm_step_port(found.group(2), "0")
+
+
+def test_a_script_typed_into_an_interactive_step_trains_alone_and_says_why() -> None:
+    # srun -n 2 --pty bash: task 0 is the shell in this terminal; task 1, a
+    # shell without one, ends at once. From the shell, a script runs alone with
+    # a warning instead of waiting for a task 1; a step it starts (its stdin
+    # kept from the terminal's, which types "exit" next) forks the script from
+    # each task's `bash -c` and joins one world, with SLURM_PTY_PORT inherited.
+    script = f"{sys.executable} {JOIN_AND_REPORT} auto"
+    typed = f"{script}\nsrun --overlap -n 2 bash -c 'cd . && {script}' </dev/null\nexit\n"
+    code, output = slurm.srun(["-n", "2", "--pty"], ["bash"], typed=typed)
+    assert code == 0, f"exit {code}\n{output[-6000:]}"
+    assert "InteractiveStepWarning: this process was started from the shell" in output, output
+    assert "`srun -n 2 python train.py`" in output
+    joined = sorted(line.strip() for line in output.splitlines() if line.startswith("joined "))
+    assert joined == ["joined local 0 1 1", "joined torch 0 2 2", "joined torch 1 2 2"], output
 
 
 @pytest.fixture(scope="module")
