@@ -57,6 +57,7 @@ from .runtime import (
     world_size,
 )
 from .seeding import set_rng_seed
+from .spawn import Launched, launch, progress
 
 __version__ = "0.1.0"
 
@@ -65,6 +66,7 @@ __all__ = [
     "DistributedTorchOptimizer",
     "Engine",
     "HorovodOptimizer",
+    "Launched",
     "NoiseScale",
     "Predictive",
     "PyroDistributedError",
@@ -82,9 +84,11 @@ __all__ = [
     "gather_param",
     "init",
     "is_main",
+    "launch",
     "load_checkpoint",
     "local_rank",
     "local_rows",
+    "progress",
     "rank",
     "save_checkpoint",
     "scaling",

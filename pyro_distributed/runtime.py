@@ -121,6 +121,13 @@ def shutdown() -> None:
         engine.shutdown()
 
 
+def forget_inherited_engine() -> None:
+    """In a forked child: drop the engine copied from the parent, without
+    tearing down what belongs to the parent."""
+    global _engine
+    _engine = None
+
+
 # Most scripts never call shutdown(). A gloo group still alive while the
 # interpreter finalises can abort the process, so tear it down at exit.
 atexit.register(shutdown)

@@ -58,8 +58,10 @@ def load(
     *,
     trusted: bool = False,
     strict: bool = True,
+    with_local: bool = True,
 ) -> int:
-    """:func:`~pyro_distributed.load_checkpoint` of a run with a Pyro optimizer."""
+    """:func:`~pyro_distributed.load_checkpoint` of a run with a Pyro optimizer
+    (``with_local=False``: leaving local parameters' blocks on disk)."""
     engine = optim.engine
     found = files.read(path, engine, missing_ok, trusted=trusted)
     if found is None:
@@ -70,7 +72,9 @@ def load(
             f"the checkpoint {os.fspath(path)!r} is of a module trained with a torch "
             f"optimizer; load it with load_checkpoint(path, optimizer, module=...)"
         )
-    local = files.local_params_of(state)
+    local = files.local_params_of(state) if with_local else {}
+    if not with_local:
+        state = {**state, "local": None}
     _check_compatible(os.fspath(path), state, local, strict)
 
     values: dict[str, torch.Tensor] = {}

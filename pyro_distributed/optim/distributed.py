@@ -14,7 +14,7 @@ With one worker it does none of it but the step, and costs nothing.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Literal
 
 import pyro
@@ -205,6 +205,8 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         self._step = DataParallelStep(engine, options, self)
         #: What the next step must step, after a checkpoint was loaded (names, file).
         self._expected: tuple[frozenset[str], str] | None = None
+        for hook in list(_ON_CREATED):
+            hook(self)
 
     @property
     def grouped(self) -> bool:
@@ -330,6 +332,18 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.wrapped!r}, engine={self._step.describe_engine()})"
+
+
+#: Called with every DistributedOptimizer as it is made (see :func:`watch_created`).
+_ON_CREATED: list[Callable[[DistributedOptimizer], None]] = []
+
+
+def watch_created(hook: Callable[[DistributedOptimizer], None]) -> Callable[[], None]:
+    """Call ``hook(optimizer)`` for every :class:`DistributedOptimizer` made from
+    now on, in this process, once it is set up; returns what stops it. A
+    launched worker resumes and collects the optimizers its function makes so."""
+    _ON_CREATED.append(hook)
+    return lambda: _ON_CREATED.remove(hook)
 
 
 def _by_store_name(params: Iterable[Tensor]) -> dict[str, Tensor]:

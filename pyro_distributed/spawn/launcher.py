@@ -1,0 +1,295 @@
+"""``pd.launch``: a function on W workers, from a notebook or a script, and what they trained.
+
+The launching process starts the workers (:mod:`.processes`), each of which
+joins one engine on loopback and runs the function (:mod:`.worker`), and then
+waits in one loop on everything they send: worker 0's output, its progress,
+and every worker's report. The first failure stops every worker and is raised
+with that worker's traceback; an interrupt (a notebook's stop button) stops
+every worker too. When all have finished, what they trained is loaded into
+this process (:mod:`.state`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from ..errors import PyroDistributedError
+from . import processes, progress, state, worker
+
+#: Engines whose workers a launch can start: the others come with a launcher
+#: of their own (horovodrun, mpiexec), which starts them instead.
+ENGINES = ("torch",)
+
+
+@dataclass
+class Launched:
+    """What a :func:`launch` brought back.
+
+    :param value: what the function returned on worker 0.
+    :param world_size: how many workers ran it.
+    :param local_rows_loaded: whether the owned local parameters' rows were
+        loaded into this process's param store (see ``rows_in_memory``).
+    """
+
+    value: Any
+    world_size: int
+    local_rows_loaded: bool
+    _trained: state.TrainedState = field(repr=False)
+
+    def local_rows(self, name: str) -> torch.Tensor:
+        """Every row of owned local parameter ``name``, read from the workers'
+        block files and joined in order (its unconstrained value).
+
+        Example::
+
+            launched = pd.launch(train, workers=4, rows_in_memory=2**30)
+            z_loc = launched.local_rows("z_loc")
+        """
+        return state.read_rows(self._trained, name)
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    workers: int = 2,
+    engine: str = "torch",
+    timeout: float | timedelta | None = None,
+    start_method: str | None = None,
+    resume: Launched | None = None,
+    rows_in_memory: int | None = None,
+) -> Launched:
+    """Run ``fn(*args)`` on ``workers`` processes that join one engine, from a
+    Jupyter kernel or a script, and bring what they trained back here.
+
+    Each worker is a fresh process on this machine (forked where the platform
+    allows: a function defined in the notebook runs as it is), with one GPU
+    each where there are GPUs (``LOCAL_RANK``), joined on 127.0.0.1 at a free
+    port. Inside ``fn``, write the same code as in a script run by torchrun:
+    ``pd.shard``, ``pd.DistributedOptimizer``, ``svi.step``, and
+    :func:`pyro_distributed.progress` for a bar that appears here.
+
+    When it returns, this process holds what the workers trained:
+
+    * ``fn``'s return value on worker 0, as :attr:`Launched.value`;
+    * the param store as they trained it, written into the tensors that
+      already exist here (a guide or ``PyroModule`` made in the kernel holds
+      the trained values), and the owned local parameters' rows of every
+      worker joined in order;
+    * the state of every :class:`~pyro_distributed.DistributedOptimizer`
+      ``fn`` made, which a launch with ``resume=`` continues from.
+
+    :param fn: the function every worker runs; with ``start_method="spawn"``
+        it and ``args`` must pickle (cloudpickle is used where installed).
+    :param workers: how many processes (at least 1).
+    :param engine: ``"torch"``, the engine the workers join (gloo on CPUs,
+        NCCL on GPUs).
+    :param timeout: the engine's time-out (:func:`pyro_distributed.init`): a
+        hung worker makes the others raise after it.
+    :param start_method: ``None`` (fork where available, else spawn),
+        ``"fork"``, ``"spawn"`` or ``"forkserver"``.
+    :param resume: an earlier launch of the same model: the k-th optimizer
+        ``fn`` makes starts from its k-th optimizer's state, values, step
+        count and (at the same number of workers) RNG states, so that two
+        launches of n steps end bitwise where one of 2n steps does.
+    :param rows_in_memory: the most bytes of owned local rows to load into
+        this process; past it they stay on disk, read with
+        :meth:`Launched.local_rows`. ``None``: always load them.
+    :raises PyroDistributedError: if a worker raised (with its traceback) or
+        died; every other worker is stopped first. Also, before any worker
+        starts, if CUDA is initialised here and workers would be forked.
+    :raises KeyboardInterrupt: after stopping every worker, on an interrupt.
+
+    Example, in a notebook cell::
+
+        import pyro_distributed as pd
+
+        def train(num_steps):
+            pd.set_rng_seed(0)
+            optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}))
+            svi = SVI(model, guide, optim, Trace_ELBO())
+            for _ in pd.progress(range(num_steps)):
+                loss = svi.step(pd.shard(x), pd.shard(y))
+            return loss
+
+        launched = pd.launch(train, 1000, workers=2)
+        print(launched.value, guide.median())  # the guide holds the trained values
+
+    .. warning::
+        Workers are separate processes: what ``fn`` changes outside Pyro's
+        param store and the optimizers it makes (a module's attributes, a
+        list in the kernel) stays in the workers. Return it instead.
+    """
+    _check_arguments(workers, engine, resume, rows_in_memory)
+    context = processes.context(start_method)
+    method = context.get_start_method()
+    pickled = processes.portable(fn, args, method)
+    directory = Path(tempfile.mkdtemp(prefix="pyro-distributed-launch-"))
+    trained = state.TrainedState(directory)  # removes the directory once unused
+    timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+    port = processes.free_port()
+    out_read, out_write = context.Pipe(duplex=False)
+    err_read, err_write = context.Pipe(duplex=False)
+    counts_read, counts_write = context.Pipe(duplex=False)
+    reports: list[Connection] = []
+    started: list[BaseProcess] = []
+    try:
+        for rank in range(workers):
+            report_read, report_write = context.Pipe(duplex=False)
+            assignment = worker.Assignment(
+                rank, workers, port, engine, timeout, directory, resume._trained if resume else None
+            )
+            first = rank == 0
+            process = context.Process(  # type: ignore[attr-defined]
+                target=worker.run,
+                args=(
+                    assignment,
+                    fn if pickled is None else None,
+                    args if pickled is None else (),
+                    pickled,
+                    report_write,
+                    (out_write, err_write) if first else None,
+                    counts_write if first else None,
+                ),
+                name=f"pyro-distributed-worker-{rank}",
+            )
+            process.start()
+            report_write.close()
+            reports.append(report_read)
+            started.append(process)
+        for end in (out_write, err_write, counts_write):
+            end.close()
+        value_bytes, saved = _follow(started, reports, out_read, err_read, counts_read)
+    except BaseException:
+        processes.stop(started)  # on an interrupt too: nothing outlives a launch
+        raise
+    finally:
+        for end in (out_read, err_read, counts_read, *reports):
+            end.close()
+    processes.stop(started)
+    trained.files, trained.world_size = saved, workers
+    in_memory = rows_in_memory is None or state.local_bytes(trained) <= rows_in_memory
+    state.load_here(trained, with_local=in_memory)
+    return Launched(pickle.loads(value_bytes), workers, in_memory, trained)
+
+
+def _check_arguments(workers: Any, engine: Any, resume: Any, rows_in_memory: Any) -> None:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"launch: workers must be an int of at least 1, got {workers!r}")
+    if engine not in ENGINES:
+        raise ValueError(
+            f"launch: engine must be one of {ENGINES}, got {engine!r}; horovodrun and "
+            f"mpiexec start their own workers, from a terminal"
+        )
+    if resume is not None and not isinstance(resume, Launched):
+        raise TypeError(f"launch: resume must be what an earlier launch returned, got {resume!r}")
+    if rows_in_memory is not None and (
+        isinstance(rows_in_memory, bool)
+        or not isinstance(rows_in_memory, int)
+        or rows_in_memory < 0
+    ):
+        raise ValueError(
+            f"launch: rows_in_memory must be None or a number of bytes, got {rows_in_memory!r}"
+        )
+
+
+def _follow(
+    started: list[BaseProcess],
+    reports: list[Connection],
+    out: Connection,
+    err: Connection,
+    counts: Connection,
+) -> tuple[bytes, list[str]]:
+    """Wait for every worker's report, passing worker 0's output and progress on;
+    worker 0's return value and the saved files, or raise on the first failure."""
+    waiting = {reports[rank]: rank for rank in range(len(reports))}
+    sentinels = {process.sentinel: rank for rank, process in enumerate(started)}
+    streams: dict[Any, IO[str]] = {out: sys.stdout, err: sys.stderr}
+    drawing = progress.Drawing()
+    drawn = [counts]  # until worker 0 closes it
+    outcome: tuple[bytes, list[str]] | None = None
+    try:
+        while waiting or streams:
+            ready = wait([*waiting, *streams, *drawn, *sentinels], timeout=1.0)
+            for source in ready:
+                if source in streams:
+                    if not _forward(source, streams[source]):  # type: ignore[arg-type]
+                        del streams[source]
+                elif source is counts:
+                    if not _draw(counts, drawing):
+                        drawn.clear()
+                elif source in waiting:
+                    rank = waiting.pop(source)
+                    report = _receive(source, rank, started[rank])
+                    if report[0] == "error":
+                        _drain(streams)
+                        raise PyroDistributedError(
+                            f"worker {rank} of {len(started)} raised; every worker was "
+                            f"stopped. Its traceback:\n{report[1]}"
+                        )
+                    if rank == 0:
+                        outcome = (report[1], report[2])
+                elif source in sentinels:
+                    rank = sentinels.pop(source)
+                    still = [conn for conn, r in waiting.items() if r == rank]
+                    if still and not still[0].poll(1.0):
+                        raise PyroDistributedError(
+                            f"worker {rank} of {len(started)} died without a word (exit "
+                            f"code {started[rank].exitcode}); every worker was stopped"
+                        )
+    finally:
+        drawing.close()
+    assert outcome is not None
+    return outcome
+
+
+def _receive(source: Connection, rank: int, process: BaseProcess) -> tuple[Any, ...]:
+    try:
+        report: tuple[Any, ...] = source.recv()
+    except EOFError:
+        process.join(1.0)
+        raise PyroDistributedError(
+            f"worker {rank} died without a word (exit code {process.exitcode}); "
+            f"every worker was stopped"
+        ) from None
+    return report
+
+
+def _forward(source: Connection, to: IO[str]) -> bool:
+    """Pass what worker 0 wrote on; ``False`` once it has closed its end."""
+    try:
+        data = os.read(source.fileno(), 65536)
+    except OSError:
+        return False
+    if not data:
+        return False
+    to.write(data.decode(errors="replace"))
+    to.flush()
+    return True
+
+
+def _drain(streams: dict[Any, IO[str]]) -> None:
+    """What worker 0 wrote before a failure, so that its last words are shown."""
+    for source, to in list(streams.items()):
+        while source.poll(0.2) and _forward(source, to):
+            pass
+
+
+def _draw(counts: Connection, drawing: progress.Drawing) -> bool:
+    """Draw what worker 0 sent; ``False`` once it has closed its end."""
+    try:
+        drawing.receive(counts.recv())
+    except EOFError:
+        return False
+    return True
