@@ -24,6 +24,11 @@ version, when one of these moves.
 * ``_is_local_file_protocol``: whether a checkpoint path is on the local file
   system (and can have block files beside it) or an fsspec URL, as Lightning
   itself decides.
+* ``_MultiProcessingLauncher``, ``_IS_INTERACTIVE``: Lightning's launcher of
+  forked or spawned workers, the one that works in a Jupyter kernel, and its
+  own test for a kernel. The strategy subclasses the launcher to carry what
+  the workers trained back to the kernel (:mod:`.kernel`), and picks it where
+  Lightning would refuse its script launcher.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ from typing import Any
 
 from lightning.fabric.utilities import rank_zero as fabric_rank_zero
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero as pytorch_rank_zero
 from lightning.pytorch.utilities.data import _update_dataloader
@@ -79,3 +86,13 @@ def set_rank_zero(rank: int) -> None:
 def is_local_path(path: Any) -> bool:
     """Whether ``path`` is on the local file system (not an fsspec URL such as ``s3://``)."""
     return bool(_is_local_file_protocol(path))
+
+
+#: Lightning's launcher of forked or spawned workers (notebook-compatible).
+MultiProcessingLauncher = _MultiProcessingLauncher
+
+
+def in_a_kernel() -> bool:
+    """Whether this process is an interactive interpreter (a Jupyter kernel), as
+    Lightning decides it when it refuses a script launcher there."""
+    return bool(_IS_INTERACTIVE)

@@ -64,6 +64,7 @@ from . import (
     collectives,
     data,
     internals,
+    kernel,
     launch,
     layer_sync,
     plans,
@@ -97,6 +98,12 @@ class PyroDistributedStrategy(DDPStrategy):
     :param optimizer_options: options for every optimizer the strategy
         wraps (``bucket_cap_mb``, ``compression``, ``overlap``, ...; the keys of
         :class:`~pyro_distributed.lightning.OptimizerOptions`), checked here.
+    :param start_method: how Lightning starts the workers: ``None`` (default)
+        is ``"fork"`` in a Jupyter kernel and ``"popen"`` (a script's own
+        launcher) elsewhere. With ``"fork"``, ``"spawn"`` or ``"forkserver"``,
+        what the workers trained comes back to the launching process when
+        fitting ends: the module's parameters, the param store, and every
+        worker's owned local rows, joined.
 
     The other arguments are :class:`~lightning.pytorch.strategies.DDPStrategy`'s.
 
@@ -145,7 +152,14 @@ class PyroDistributedStrategy(DDPStrategy):
         a directory every worker sees, one ``<file>.<token>.block<r>of<W>``
         per worker: copy them together, restore them through the Trainer
         (``ckpt_path=``; ``load_from_checkpoint`` sees the global parameters
-        only), and trust them (block files are unpickled).
+        only).
+
+    .. warning::
+        In a Jupyter kernel (forked workers), a parameter the workers create
+        and the kernel's module does not have cannot come back: create a
+        lazily built guide's parameters in the kernel before ``fit`` (call
+        the model and guide once, or ``module.setup("fit")``). Otherwise
+        ``fit`` raises, naming them, once training ends.
     """
 
     strategy_name = "pyro_distributed"
@@ -166,7 +180,7 @@ class PyroDistributedStrategy(DDPStrategy):
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] | None = None,
     ) -> None:
         check_engine_name(engine, "PyroDistributedStrategy", local=False)
         check_bool("own_local_params", own_local_params)
@@ -184,7 +198,8 @@ class PyroDistributedStrategy(DDPStrategy):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
-            start_method=start_method,
+            # In a kernel, forked workers (Lightning refuses its script launcher there).
+            start_method=start_method or ("fork" if internals.in_a_kernel() else "popen"),
         )
         self._engine_name = launch.resolve_engine(engine)
         self._engine: Engine | None = None
@@ -221,8 +236,11 @@ class PyroDistributedStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         if self._launcher_starts_workers:
             self._launcher = None  # horovodrun or mpiexec started every worker itself
-        else:
-            super()._configure_launcher()
+            return
+        super()._configure_launcher()
+        if isinstance(self._launcher, internals.MultiProcessingLauncher):
+            # Forked or spawned workers: what they train comes back to this process.
+            self._launcher = kernel.KernelLauncher(self, self._start_method)
 
     def setup_environment(self) -> None:
         """The device, then the workers (DDP's set-up calls :meth:`setup_distributed`
