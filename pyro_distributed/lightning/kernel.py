@@ -22,7 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pyro
 import torch
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.trainer.states import TrainerFn
 from pyro.optim import SGD  # type: ignore[attr-defined]
 
@@ -47,8 +49,12 @@ class KernelLauncher(internals.MultiProcessingLauncher):
     def __init__(self, strategy: Any, start_method: str) -> None:
         super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
         self._carry: str | None = None
+        self._datamodule: Any = None
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        # fit's datamodule (an scvi-tools DataSplitter), to set up a Pyro plan's
+        # guide here afterwards: it was first called in the workers.
+        self._datamodule = next((a for a in args if isinstance(a, LightningDataModule)), None)
         self._carry = tempfile.mkdtemp(prefix="pyro-distributed-lightning-")
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
@@ -73,6 +79,8 @@ class KernelLauncher(internals.MultiProcessingLauncher):
         super()._recover_results_in_main_process(worker_output, trainer)
         if carry is not None and (carry / STORE).exists():
             lacking += load_trained(carry, module)
+            _set_up_the_guide(module, self._datamodule)
+        lacking = [name for name in lacking if not _in_the_param_store(name)]
         if lacking:
             raise PyroDistributedError(
                 f"the workers trained parameters that this process's LightningModule does "
@@ -133,3 +141,34 @@ def _keep_what_loads(
     checkpoint_io.save_checkpoint(kept, weights_path)
     here = set(module.state_dict())
     return [name for name in kept if name not in here]
+
+
+def _in_the_param_store(name: str) -> bool:
+    """Whether module parameter ``name`` mirrors a param-store entry, where a guide
+    made in this process takes its value from (a ``PyroModule``'s parameter,
+    ``<path>.locs.z_unconstrained``, is the store's ``<root>.locs.z`` unless
+    ``module_local_params`` keeps it on the module)."""
+    if pyro.settings.get("module_local_params") or not name.endswith("_unconstrained"):
+        return False
+    stem = name.removesuffix("_unconstrained")
+    for stored, _ in pyro.get_param_store().named_parameters():
+        rest = stored.split(".", 1)[-1]
+        if stem == stored or stem.endswith(f".{rest}"):
+            return True
+    return False
+
+
+def _set_up_the_guide(plan: Any, datamodule: Any) -> None:
+    """An scvi-tools Pyro plan's guide, set up here on one training batch: it takes
+    the trained values from the param store. Its first call was in the workers,
+    and ``export_posterior`` needs it set up."""
+    module = getattr(plan, "module", None)
+    guide = getattr(module, "guide", None)
+    args_of = getattr(module, "_get_fn_args_from_batch", None)
+    if datamodule is None or args_of is None or getattr(guide, "prototype_trace", 0) is not None:
+        return
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    args, kwargs = args_of({key: value.to(plan.device) for key, value in batch.items()})
+    assert guide is not None
+    guide(*args, **kwargs)  # every parameter exists in the store: none is drawn anew
