@@ -41,6 +41,12 @@ class Launched:
     :param world_size: how many workers ran it.
     :param local_rows_loaded: whether the owned local parameters' rows were
         loaded into this process's param store (see ``rows_in_memory``).
+
+    Example::
+
+        first = pd.launch(train, 500, workers=2)
+        print(first.value)  # what train returned on worker 0
+        second = pd.launch(train, 500, workers=2, resume=first)  # 500 steps more
     """
 
     value: Any
@@ -82,7 +88,7 @@ def launch(
 
     When it returns, this process holds what the workers trained:
 
-    * ``fn``'s return value on worker 0, as :attr:`Launched.value`;
+    * ``fn``'s return value on worker 0, as ``Launched.value``;
     * the param store as they trained it, written into the tensors that
       already exist here (a guide or ``PyroModule`` made in the kernel holds
       the trained values), and the owned local parameters' rows of every
