@@ -78,4 +78,4 @@ def test_export_posterior_in_the_kernel_after_two_forked_workers_matches_w1(
     noise = correlation("other_seed")  # two W=1 fits of different seeds
     for name in ("owned", "replicated"):
         assert found[name].shape == found["single"].shape
-        assert correlation(name) >= noise - 0.1, (name, correlation(name), noise)
+        assert correlation(name) >= noise - 0.01, (name, correlation(name), noise)
