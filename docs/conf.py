@@ -14,6 +14,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from sphinx.application import Sphinx
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "_ext"))
@@ -60,6 +62,27 @@ def copy_benchmark_pages() -> None:
 
 
 copy_benchmark_pages()
+
+
+def link_benchmark_copies(app: Sphinx, docname: str, source: list[str]) -> None:
+    """Point a page's link to a results file in benchmarks/ at the file's copy.
+
+    A page links the file itself (``../../benchmarks/RESULTS.md``), which is
+    what GitHub shows; in the site, which holds no file outside docs/, the
+    same link goes to the copy in docs/benchmarks/results/.
+    """
+    up = "../" * (docname.count("/") + 1)  # from the page's folder to the repository root
+    for name in BENCHMARK_PAGES:
+        source[0] = re.sub(
+            r"\]\(" + re.escape(f"{up}benchmarks/{name}") + r"(?=[#)])",
+            "](" + up[3:] + "benchmarks/results/" + name,
+            source[0],
+        )
+
+
+def setup(app: Sphinx) -> None:
+    app.connect("source-read", link_benchmark_copies)
+
 
 project = "pyro-distributed"
 author = "the pyro-distributed authors"
