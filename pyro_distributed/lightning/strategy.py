@@ -84,12 +84,14 @@ class PyroDistributedStrategy(DDPStrategy):
         process group. Under every launcher, ``devices`` x ``num_nodes``
         must be the number of workers it started.
     :param own_local_params: keep each per-data-point parameter's rows only
-        on the worker that owns them (README, "Local parameters owned by
-        their worker"); the training loader then gives each worker its block.
+        on the worker that owns them (the user guide's page "Local parameters
+        owned by their worker", ``docs/guide/local-parameters.md``); the
+        training loader then gives each worker its block.
     :param local_updates: with ``own_local_params=True``, ``"dense"``
         (default) steps every owned row each step; ``"sparse"`` only the
         rows of the step's batch, at O(batch) a step, with the lazy rules of
-        ``torch.optim.SparseAdam`` (README, "Sparse local steps").
+        ``torch.optim.SparseAdam`` (``docs/guide/local-parameters.md``,
+        "Sparse local steps").
     :param shuffle: whether the training loader's order changes each epoch;
         ``None`` (default) keeps the loader's own choice, as Lightning's DDP
         does (``DataLoader(shuffle=True)`` shuffles, ``shuffle=False`` keeps
