@@ -11,7 +11,7 @@ ownership and sparse local steps (``ours-sparse-w2``,
 ``local_updates="sparse"``), Pyro's ``HorovodOptimizer`` and DDP,
 interleaved, ``--repeats`` runs each (each plan's ``configs`` of them). It
 writes ``local_results.json`` and ``LOCAL_RESULTS.md`` with the median step
-time, the parameter and optimizer-state bytes per worker, and the issues'
+time, the parameter and optimizer-state bytes per worker, and the suite's
 targets.
 """
 
@@ -46,7 +46,7 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, float] | None:
 
 
 def targets(tables: dict[str, dict[str, dict[str, float] | None]]) -> list[tuple[str, float, bool]]:
-    """The issues' targets, as (label, value, passed): ownership's and sparse steps'."""
+    """The targets, as (label, value, passed): ownership's and sparse steps'."""
     table = tables.get(TARGET_WORKLOAD, {})
     plain, replicated, owned = table.get("plain"), table.get("ours-w2"), table.get("ours-owned-w2")
     found: list[tuple[str, float, bool]] = []

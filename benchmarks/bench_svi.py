@@ -220,7 +220,7 @@ def select_configs(names: Sequence[str] | None) -> list[Config]:
     if needing and not mpi_available():
         print(
             f"skipped {', '.join(needing)}: needs mpi4py and mpiexec in {sys.executable}'s "
-            f"environment (`pip install pyro-distributed[mpi]`)"
+            f"environment (`pip install -e '.[mpi]'`)"
         )
         chosen = [c for c in chosen if not c.needs_mpi]
     return chosen

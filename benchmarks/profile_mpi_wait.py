@@ -18,7 +18,7 @@ wait (``critical_wait_us``, the median over collectives), and the difference
 of the two is the imbalance (``imbalance_us``).
 
 ``--variant`` replaces the engine's wait for a comparison (not for use):
-``old`` is the engine's loop before issue 26 (the clock read at every test),
+``old`` is the engine's earlier loop (the clock read at every test),
 ``block`` waits in MPI (``request.Wait()``, no time-out), ``spin`` tests the
 request without pause, ``yield`` yields the core at every test.
 """
@@ -77,7 +77,7 @@ def variant(name: str) -> None:
         mpi.MPIEngine._wait = spin  # type: ignore[method-assign]
     elif name == "old":
 
-        def old(engine: Any, request: Any, what: str) -> None:  # main's loop before issue 26
+        def old(engine: Any, request: Any, what: str) -> None:  # the earlier loop
             if request.Test():
                 return
             start = time.monotonic()

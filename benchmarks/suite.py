@@ -9,7 +9,7 @@ adding a configuration, a workload or a target is one line here:
 * ``PLANS``: the workloads, how many steps each times, and which
   configurations run on it: every one on the main workloads, only those the
   plot needs on the rest of the step-time sweep;
-* ``TARGETS``: the goals from the project issue, each a throughput ratio of
+* ``TARGETS``: the goals the suite checks, each a throughput ratio of
   one configuration against another with a threshold.
 """
 

@@ -44,7 +44,7 @@ def init(engine: str = "auto", *, timeout: float | timedelta | None = None) -> E
         that Lightning, Ray Train or Accelerate created is adopted, not
         replaced) or under a ``srun`` step without a PMI, ``mpi`` under
         ``mpirun``, ``mpiexec`` or ``srun --mpi=pmi2`` (it needs mpi4py:
-        ``pip install pyro-distributed[mpi]``), and ``local`` (one
+        ``pip install mpi4py``), and ``local`` (one
         process, no communication) otherwise. A ``local`` engine that
         ``"auto"`` chose is replaced once a larger process group appears;
         optimizers already bound to it then raise

@@ -78,7 +78,7 @@ def measure_collective(
 
     Example::
 
-        for nbytes, seconds in pd.measure_collective():
+        for nbytes, seconds in pd.scaling.measure_collective():
             print(f"{nbytes} bytes: {1e6 * seconds:.0f} us")
     """
     engine = engine or runtime.current_engine()
@@ -106,7 +106,7 @@ class CollectiveCost:
 
     Example::
 
-        cost = pd.CollectiveCost.fit(pd.measure_collective(), pd.world_size())
+        cost = pd.scaling.CollectiveCost.fit(pd.scaling.measure_collective(), pd.world_size())
         print(cost.seconds(4e6))  # a 4 MB gradient
     """
 
@@ -247,7 +247,7 @@ def project_scaling(
 
     Example (after training with ``noise_scale=True`` on two or more workers)::
 
-        cost = pd.CollectiveCost.fit(pd.measure_collective(), pd.world_size())
+        cost = pd.scaling.CollectiveCost.fit(pd.scaling.measure_collective(), pd.world_size())
         projection = pd.project_scaling(
             optim.noise_scale(), compute_s=0.004, gradient_bytes=72e3, cost=cost
         )

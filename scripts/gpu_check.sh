@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: the library's CUDA paths, run for real in one command (at most 8 minutes).
 #
-# Made for a lent machine with one GPU, Python 3.12, torch with CUDA, Lightning,
+# Made for a machine with one GPU, Python 3.12, torch with CUDA, Lightning,
 # mpi4py, pytest, scikit-learn and matplotlib, no pyro-ppl, and no package
 # registry. What it lacks travels with the repository as wheels in .whl/
 # (git-ignored), downloaded first on a machine that reaches PyPI:

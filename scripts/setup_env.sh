@@ -2,7 +2,7 @@
 # pinned build of torch first, then this package with the extras named in
 # $PYRO_DISTRIBUTED_EXTRAS (default "dev,examples"), and activates the venv.
 #
-# torch is pinned here, not in pyproject.toml: the package accepts any torch>=2.1
+# torch is pinned here, not in pyproject.toml: the package accepts any torch>=2.5
 # so that GPU users keep their CUDA build, but an unpinned install on a fresh
 # machine would pull a CUDA build of several GB.
 #
@@ -62,7 +62,7 @@ case ",$PYRO_DISTRIBUTED_EXTRAS," in
         PYRO_DISTRIBUTED_PINS+=("lightning==${PYRO_DISTRIBUTED_LIGHTNING:-2.6.6}") ;;
 esac
 echo "[setup] installing pyro-distributed[$PYRO_DISTRIBUTED_EXTRAS]"
-# torch==VERSION again, so that the package's torch>=2.1 cannot swap the build
+# torch==VERSION again, so that the package's torch>=2.5 cannot swap the build
 # installed above for another (a local label such as +cpu satisfies it).
 python -m pip install -q -e "$PYRO_DISTRIBUTED_ROOT[$PYRO_DISTRIBUTED_EXTRAS]" \
     "${PYRO_DISTRIBUTED_PINS[@]}"

@@ -69,7 +69,8 @@ from .network import own_addresses
 
 INSTALL_HINT = (
     "mpi4py is not installed. Install the MPI extra, which brings mpi4py and the "
-    "MPICH wheel (no compiler, no system MPI): `pip install pyro-distributed[mpi]`. "
+    "MPICH wheel (no compiler, no system MPI): `pip install mpi4py mpich`, or "
+    "`pip install -e '.[mpi]'` in a clone of pyro-distributed. "
     "On a cluster, build mpi4py against the system's MPI instead: "
     "`pip install --no-binary mpi4py mpi4py` with that MPI's `mpicc` on the PATH."
 )

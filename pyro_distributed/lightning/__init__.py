@@ -5,7 +5,7 @@
 LightningModule data-parallel with this library's optimizers instead of
 torch's ``DistributedDataParallel``. Lightning is imported here and nowhere
 else: ``import pyro_distributed`` never imports it. Install it with
-``pip install pyro-distributed[lightning]``.
+``pip install lightning`` (or the ``lightning`` extra, in a clone).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ try:
     import lightning.pytorch  # noqa: F401 (fails here, with the hint below, if missing)
 except ImportError as exc:  # pragma: no cover - the tests run with Lightning installed
     raise ImportError(
-        "pyro_distributed.lightning needs Lightning: pip install pyro-distributed[lightning]"
+        "pyro_distributed.lightning needs Lightning: pip install lightning"
     ) from exc
 
 from ..optim.options import OptimizerOptions

@@ -387,7 +387,7 @@ def test_engine_requested_without_mpi4py_says_how_to_install() -> None:
     )
     done = run_command([sys.executable, "-c", code], timeout=60)
     assert "mpi4py is not installed" in done.stdout, done.stderr
-    assert "pip install pyro-distributed[mpi]" in done.stdout
+    assert "pip install mpi4py mpich" in done.stdout
     assert "system's MPI" in done.stdout
 
 
