@@ -79,6 +79,7 @@ QUICK_LEAVES_OUT = (
     "tests/lightning/",
     "tests/integrations/",
     "tests/engines/test_launchers.py",
+    "tests/test_convert_page.py",
     "tests/test_docs.py",
     "tests/test_examples.py",
     "tests/test_faults.py",
