@@ -11,7 +11,7 @@ each marked ``# (n)`` below:
 
 1. ``pd.init()`` joins the workers that torchrun (or horovodrun) started;
 2. ``pd.ShardSampler`` gives each worker its own share of every epoch;
-3. ``pd.DistributedOptimizer`` around the torch optimizer averages the
+3. ``pd.DistributedTorchOptimizer`` around the torch optimizer averages the
    gradients at every ``step()``.
 
 The model's plate is sized by the whole data set and subsampled by the batch,

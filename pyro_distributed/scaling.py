@@ -185,7 +185,7 @@ class ScalingProjection:
 
     :func:`project_scaling` and :func:`scaling_advice` return it. Example::
 
-        projection = pd.scaling_advice(optim, lambda: svi.step(x, y))
+        projection = pd.scaling.scaling_advice(optim, lambda: svi.step(x, y))
         print(projection.table())
         print(projection.recommended)
     """
@@ -321,7 +321,8 @@ def scaling_advice(
 
     The other parameters are :func:`project_scaling`'s. Example::
 
-        projection = pd.scaling_advice(optim, lambda: svi.step(x, y), network_bandwidth=1.25e9)
+        step = lambda: svi.step(x, y)  # noqa: E731
+        projection = pd.scaling.scaling_advice(optim, step, network_bandwidth=1.25e9)
         print(projection.recommended)
     """
     engine = optim.engine

@@ -80,7 +80,7 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
     :param noise_scale: ``True``, or a smoothing factor in (0, 1), measures the
         gradient noise scale at every step (:meth:`noise_scale`,
         :mod:`pyro_distributed.optim.noise_scale`); needs two or more workers, else
-        ``ValueError`` here. The norms ride in the gradient buckets (results
+        ``ValueError`` at the first step. The norms ride in the gradient buckets (results
         are unchanged), so pass the same value on every worker.
 
     Example::
