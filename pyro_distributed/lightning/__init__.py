@@ -13,9 +13,7 @@ from __future__ import annotations
 try:
     import lightning.pytorch  # noqa: F401 (fails here, with the hint below, if missing)
 except ImportError as exc:  # pragma: no cover - the tests run with Lightning installed
-    raise ImportError(
-        "pyro_distributed.lightning needs Lightning: pip install lightning"
-    ) from exc
+    raise ImportError("pyro_distributed.lightning needs Lightning: pip install lightning") from exc
 
 from ..optim.options import OptimizerOptions
 from .data import IndexedDataset
