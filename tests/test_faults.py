@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import pyro_distributed as pd
+from pyro_distributed.checkpoint.files import load_file
 
 from .harness import WorkerFailure, free_port, run_workers
 from .models import param_values, train_steps
@@ -64,7 +65,7 @@ def test_survivor_names_the_dead_worker_within_seconds(how: str, tmp_path: Path)
     assert "worker 1 (pid" in survivor["message"] and "has exited" in survivor["message"]
     assert survivor["elapsed"] < 10, survivor
     # The last complete checkpoint is intact, and nothing half-written lies beside it.
-    assert torch.load(checkpoint, weights_only=False)["num_steps"] == 3
+    assert load_file(checkpoint)["num_steps"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pt"]
 
 
@@ -143,8 +144,8 @@ def test_torchrun_restart_resumes_from_the_checkpoint_and_matches_an_uninterrupt
     )
     assert crashed.returncode == 0, crashed.stderr
     assert "resumed from" in crashed.stdout and "at step 100" in crashed.stdout
-    a = torch.load(tmp_path / "a.pt", weights_only=False)
-    b = torch.load(tmp_path / "b.pt", weights_only=False)
+    a = load_file(tmp_path / "a.pt")
+    b = load_file(tmp_path / "b.pt")
     assert a["num_steps"] == b["num_steps"] == 300
     for name, value in a["param_store"]["params"].items():
         assert torch.equal(b["param_store"]["params"][name], value), name
