@@ -21,7 +21,6 @@ user passes ``trusted=True``.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -45,10 +44,10 @@ KIND = "checkpoint"
 FORMAT = "pyro_distributed.checkpoint"
 
 
-@functools.cache
 def allowed_globals() -> tuple[type, ...]:
     """The classes a checkpoint may name: the constraints of torch and Pyro (a
-    param store holds one per parameter). Nothing else in it is an object."""
+    param store holds one per parameter). Nothing else in it is an object.
+    Found afresh at each call: a Pyro module imported later brings its own."""
     found: set[type] = set()
     pending = [torch.distributions.constraints.Constraint]
     while pending:

@@ -18,7 +18,10 @@ from typing import Any
 import pyro
 import pyro.util
 import torch
+from pyro.optim import SGD  # type: ignore[attr-defined]
 
+from ..engines import Engine
+from ..engines.local import LocalEngine
 from ..local import registry
 from ..local.blocks import load_blocks
 from ..optim.distributed import DistributedOptimizer
@@ -96,6 +99,21 @@ def load(
     optim.num_steps = state["num_steps"]
     files.restore_rng(state, engine)
     return int(state["num_steps"])
+
+
+def save_store(path: str | os.PathLike[str], engine: Engine) -> None:
+    """The param store alone (and every worker's owned rows), through a stand-in
+    optimizer that never steps: for carrying what workers trained elsewhere (a
+    collective)."""
+    save(path, DistributedOptimizer(SGD({}), engine=engine))
+
+
+def load_store_here(path: str | os.PathLike[str], *, with_local: bool = True) -> None:
+    """Load a checkpoint's param store into this process alone, at one worker:
+    values written into the tensors that exist here, owned rows joined in order
+    (``with_local=False``: left on disk); names only one side has are left alone."""
+    stand_in = DistributedOptimizer(SGD({}), engine=LocalEngine())
+    load(path, stand_in, False, strict=False, with_local=with_local)
 
 
 def _restore_param_store(saved: dict[str, Any], local: dict[str, Any]) -> None:

@@ -26,7 +26,6 @@ import pyro
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.trainer.states import TrainerFn
-from pyro.optim import SGD  # type: ignore[attr-defined]
 
 from ..checkpoint import files, param_store
 from ..checkpoint.modules import module_locals
@@ -35,7 +34,6 @@ from ..engines.local import LocalEngine
 from ..errors import PyroDistributedError
 from ..local.blocks import load_blocks
 from ..local.registry import LocalParam
-from ..optim.distributed import DistributedOptimizer
 from . import internals
 
 STORE = "store.pt"
@@ -95,7 +93,7 @@ class KernelLauncher(internals.MultiProcessingLauncher):
 
 def save_trained(directory: Path, engine: Engine, module: torch.nn.Module) -> None:
     """On every worker: the param store, and the module's owned local rows (a collective)."""
-    param_store.save(directory / STORE, DistributedOptimizer(SGD({}), engine=engine))
+    param_store.save_store(directory / STORE, engine)
     local = module_locals(module)
     records = {name: held.record for name, held in local.items()}
     values = {name: held.param for name, held in local.items()}
@@ -109,10 +107,7 @@ def save_trained(directory: Path, engine: Engine, module: torch.nn.Module) -> No
 def load_trained(directory: Path, module: torch.nn.Module) -> list[str]:
     """In the launching process: the param store and every owned local row,
     joined; the module's local parameters that this process lacks."""
-    engine = LocalEngine()
-    param_store.load(
-        directory / STORE, DistributedOptimizer(SGD({}), engine=engine), False, strict=False
-    )
+    param_store.load_store_here(directory / STORE)
     meta = files.load_file(directory / MODULE_ROWS)["local"]
     if meta is None:
         return []
@@ -121,7 +116,7 @@ def load_trained(directory: Path, module: torch.nn.Module) -> list[str]:
     wanted = {
         name: LocalParam(name, *spec) for name, spec in meta["params"].items() if name in named
     }
-    values, _ = load_blocks(directory / MODULE_ROWS, meta, wanted, engine)
+    values, _ = load_blocks(directory / MODULE_ROWS, meta, wanted, LocalEngine())
     with torch.no_grad():
         for name, value in values.items():
             named[name].data = value.to(named[name].device)  # every row, in order

@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from pyro.optim import SGD  # type: ignore[attr-defined]
 
 from ..checkpoint import files, load_checkpoint, param_store, save_checkpoint
 from ..engines.local import LocalEngine
 from ..local.blocks import load_blocks
 from ..local.registry import LocalParam
 from ..optim.distributed import DistributedOptimizer, watch_created
+from ..runtime import current_engine
 
 #: The file that carries the param store when the function made no optimizer.
 STORE_ONLY = "store.pt"
@@ -75,8 +75,8 @@ class Collector:
     def save(self, directory: Path) -> list[str]:
         """Save what was trained (a collective); the files' names."""
         self._stop()
-        if not self.made:  # the param store alone, through a stand-in that never steps
-            save_checkpoint(directory / STORE_ONLY, DistributedOptimizer(SGD({})))
+        if not self.made:
+            param_store.save_store(directory / STORE_ONLY, current_engine())
             return [STORE_ONLY]
         names = [f"optimizer{number}.pt" for number in range(len(self.made))]
         for optim, name in zip(self.made, names, strict=True):
@@ -93,10 +93,7 @@ def local_bytes(state: TrainedState) -> int:
 def load_here(state: TrainedState, *, with_local: bool) -> None:
     """Load the first checkpoint into this process's param store, at one worker:
     values copied into the tensors that exist, local rows joined in order."""
-    stand_in = DistributedOptimizer(SGD({}), engine=LocalEngine())
-    param_store.load(
-        state.directory / state.files[0], stand_in, False, strict=False, with_local=with_local
-    )
+    param_store.load_store_here(state.directory / state.files[0], with_local=with_local)
 
 
 def read_rows(state: TrainedState, name: str) -> torch.Tensor:
