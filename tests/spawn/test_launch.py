@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import pyro_distributed as pd
+from pyro_distributed.engines.base import process_is_alive
 
 from ..harness import run_workers
 from .scripts.owned_rows import NAMES, train
@@ -48,12 +49,13 @@ def test_the_trained_store_and_owned_rows_come_back_joined_in_order() -> None:
     assert multiprocessing.active_children() == []
 
 
-def test_two_launches_end_bitwise_where_one_launch_of_both_does() -> None:
-    pd.launch(train, 2 * STEPS, 0, workers=2)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_two_launches_end_bitwise_where_one_launch_of_both_does(workers: int) -> None:
+    pd.launch(train, 2 * STEPS, 0, workers=workers)
     straight = _store()
     pyro.clear_param_store()
-    first = pd.launch(train, STEPS, 0, workers=2)
-    second = pd.launch(train, STEPS, workers=2, resume=first)
+    first = pd.launch(train, STEPS, 0, workers=workers)
+    second = pd.launch(train, STEPS, workers=workers, resume=first)
     assert second.value == 2 * STEPS  # the optimizer's step count went on
     for name, value in _store().items():
         assert torch.equal(value, straight[name]), name
@@ -79,14 +81,6 @@ def _raise_on_one_worker(pids: str) -> None:
     pd.barrier()  # worker 0 waits here until it is stopped
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def test_a_workers_exception_is_raised_with_its_traceback_and_stops_every_worker(
     tmp_path: Path,
 ) -> None:
@@ -99,7 +93,7 @@ def test_a_workers_exception_is_raised_with_its_traceback_and_stops_every_worker
     assert "_raise_on_one_worker" in message  # the traceback
     assert time.monotonic() - began < 20  # not the engine's time-out
     pids = [int(path.name) for path in tmp_path.iterdir()]
-    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+    assert len(pids) == 2 and not any(process_is_alive(pid) for pid in pids)
 
 
 def _hang_on_one_worker() -> None:

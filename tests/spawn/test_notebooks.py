@@ -8,7 +8,6 @@ the real torchrun, bitwise.
 from __future__ import annotations
 
 import inspect
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -19,6 +18,8 @@ import pytest
 import torch
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
+
+from pyro_distributed.engines.base import process_is_alive
 
 from ..harness import run_script
 from ..test_examples import python_or_torchrun
@@ -165,14 +166,5 @@ def test_a_workers_exception_and_an_interrupt_stop_every_worker(tmp_path: Path) 
     assert "the kernel goes on" in after
     started = [int(path.name) for path in pids.iterdir()]
     assert len(started) == 2
-    left = [pid for pid in started if _alive(pid)]
+    left = [pid for pid in started if process_is_alive(pid)]
     assert left == [], subprocess.run(["ps", "-fp", *map(str, left)], capture_output=True).stdout
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
