@@ -25,7 +25,8 @@ _engine: Engine | None = None
 _detected = False
 
 
-def _as_timedelta(timeout: float | timedelta) -> timedelta:
+def as_timeout(timeout: float | timedelta) -> timedelta:
+    """A time-out given as seconds or a timedelta, checked: positive and finite."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
         raise TypeError(f"timeout must be seconds (a number) or a timedelta, got {timeout!r}")
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
@@ -70,7 +71,7 @@ def init(engine: str = "auto", *, timeout: float | timedelta | None = None) -> E
         horovod and mpi engines it is itself a collective.
     """
     global _engine, _detected
-    wanted_timeout = None if timeout is None else _as_timedelta(timeout)
+    wanted_timeout = None if timeout is None else as_timeout(timeout)
     check_engine_name(engine, f"init(engine={engine!r})")
     if _engine is not None and _detected and engine == "auto" and _engine.outgrown():
         _engine.shutdown()  # a local engine: nothing to tear down, nothing in flight

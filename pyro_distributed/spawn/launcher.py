@@ -25,6 +25,7 @@ from typing import IO, Any
 
 import torch
 
+from .. import runtime
 from ..errors import PyroDistributedError
 from . import processes, progress, state, worker
 
@@ -138,12 +139,12 @@ def launch(
         list in the kernel) stays in the workers. Return it instead.
     """
     _check_arguments(workers, engine, resume, rows_in_memory)
+    checked_timeout = None if timeout is None else runtime.as_timeout(timeout)
     context = processes.context(start_method)
     method = context.get_start_method()
     pickled = processes.portable(fn, args, method)
     directory = Path(tempfile.mkdtemp(prefix="pyro-distributed-launch-"))
     trained = state.TrainedState(directory)  # removes the directory once unused
-    timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
     port = processes.free_port()
     out_read, out_write = context.Pipe(duplex=False)
     err_read, err_write = context.Pipe(duplex=False)
@@ -154,7 +155,13 @@ def launch(
         for rank in range(workers):
             report_read, report_write = context.Pipe(duplex=False)
             assignment = worker.Assignment(
-                rank, workers, port, engine, timeout, directory, resume._trained if resume else None
+                rank,
+                workers,
+                port,
+                engine,
+                checked_timeout,
+                directory,
+                resume._trained if resume else None,
             )
             first = rank == 0
             process = context.Process(  # type: ignore[attr-defined]

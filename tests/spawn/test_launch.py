@@ -125,6 +125,10 @@ def test_what_cannot_work_is_refused_before_any_worker_starts(
         pd.launch(train, workers=2, engine="mpi")
     with pytest.raises(TypeError, match="resume must be what an earlier launch returned"):
         pd.launch(train, workers=2, resume="run.pt")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"timeout must be seconds .* got True"):
+        pd.launch(train, workers=2, timeout=True)
+    with pytest.raises(ValueError, match="timeout must be a positive, finite duration"):
+        pd.launch(train, workers=2, timeout=-1)
     with pytest.raises(ValueError, match="start_method must be None, 'fork', 'spawn'"):
         pd.launch(train, workers=2, start_method="thread")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
