@@ -158,19 +158,14 @@ def fsync_directory(directory: Path) -> None:
             os.close(handle)
 
 
-def remove_temporaries(directory: Path, targets: Iterable[str] | re.Pattern[str]) -> None:
-    """Delete what killed writers left: temporaries of the files named ``targets``
-    (names, or a pattern a name must match in full). Call it only while no worker
-    writes into ``directory``."""
+def remove_temporaries(directory: Path, targets: re.Pattern[str]) -> None:
+    """Delete what killed writers left: the temporaries of the files whose names
+    ``targets`` matches in full. Call it only while no worker writes into
+    ``directory``."""
     temporary = re.compile(r"\.(.+)\.[0-9a-f]{8}\.tmp")
-    names = targets if isinstance(targets, re.Pattern) else None
-    listed = set() if isinstance(targets, re.Pattern) else set(targets)
     for found in directory.glob(".*.tmp"):
         match = temporary.fullmatch(found.name)
-        if match is None:
-            continue
-        target = match.group(1)
-        if (names is not None and names.fullmatch(target)) or target in listed:
+        if match is not None and targets.fullmatch(match.group(1)):
             found.unlink(missing_ok=True)
 
 
