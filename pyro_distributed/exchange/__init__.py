@@ -4,8 +4,8 @@ A front end (:mod:`pyro_distributed.optim`) hands the exchange a list of named
 tensors once per step; the exchange agrees with every other worker on which
 tensors take part (:mod:`.agreement`), packs their gradients into a few fused
 buckets (:mod:`.bucket`: each owns its layout, buffer and trip), averages them
-(:mod:`.averager`, scaled and optionally compressed on the wire,
-:mod:`.wire`, :mod:`.compression`), starts the
+(:mod:`.averager`; each bucket travels through a communication hook,
+:mod:`.hooks`, :mod:`.compression`, :mod:`.low_rank`), starts the
 buckets while backward is still running (:mod:`.overlap`), and writes the
 averages back into ``.grad``. :class:`GradientSync` owns all of it, so a
 second front end calls one object instead of re-implementing the trip.
@@ -20,16 +20,24 @@ the same way).
 from .agreement import Catalog
 from .averager import Reduction
 from .compression import Compression, compressor
+from .hooks import AverageHook, CommHook, Compressor, GradBucket, Reducing, Waiting, as_hook
+from .low_rank import LowRankHook
 from .sync import Exchanged, ExchangePlan, GradientSync
-from .wire import Compressor
 
 __all__ = [
+    "AverageHook",
     "Catalog",
+    "CommHook",
     "Compression",
     "Compressor",
     "ExchangePlan",
     "Exchanged",
+    "GradBucket",
     "GradientSync",
+    "LowRankHook",
+    "Reducing",
     "Reduction",
+    "Waiting",
+    "as_hook",
     "compressor",
 ]

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..engines import Engine
 from .bucket import Bucket, plan_layouts
-from .wire import Compressor, Wire
+from .hooks import AverageHook, CommHook, Compressor
 
 
 @dataclass(frozen=True)
@@ -44,12 +44,30 @@ class Reduction:
     :param groups: ``None``; a number of contiguous groups to split the sorted
         parameters into; or lists of parameters to fuse together (every other
         parameter is a group of its own). Buffers never cross groups.
+    :param hook: how each bucket travels (:mod:`.hooks`), in place of the
+        average that ``op``, ``predivide`` and ``compression`` describe.
     """
 
     op: Literal["mean", "sum"] = "mean"
     predivide: float = 1.0
     compression: Compressor | None = None
     groups: int | Sequence[Sequence[Tensor]] | None = field(default=None)
+    hook: CommHook | None = None
+
+    def __post_init__(self) -> None:
+        plain = self.op == "mean" and self.predivide == 1.0 and self.compression is None
+        if self.hook is not None and not plain:
+            raise ValueError(
+                f"a comm_hook decides how gradients travel: pass it without op, "
+                f"predivide or compression (got op={self.op!r}, predivide={self.predivide}, "
+                f"compression={self.compression!r})"
+            )
+
+    def comm_hook(self) -> CommHook:
+        """The hook every bucket travels with."""
+        if self.hook is not None:
+            return self.hook
+        return AverageHook(self.op, self.predivide, self.compression)
 
 
 @dataclass(eq=False)
@@ -92,9 +110,7 @@ class GradientAverager:
         self._engine = engine
         self._cap_bytes = cap_bytes
         self._reduction = reduction
-        self._wire = Wire(
-            reduction.op, reduction.predivide, reduction.compression, engine.world_size
-        )
+        self._hook = reduction.comm_hook()
         #: Whether to measure squared norms for :meth:`squared_norms`.
         self.measure_norms = measure_norms
 
@@ -103,14 +119,16 @@ class GradientAverager:
         caller keeps it for as long as the parameters stay the same)."""
         params = tuple(params)
         group_of = _group_of(params, self._reduction.groups)
-        norm_slot = self.measure_norms and self._reduction.compression is None
+        # A norm needs a wide type to be summed in: float32 buckets sum their tail so.
+        norm_slot = self.measure_norms and self._hook.tail_dtype(torch.float32) == torch.float32
         buckets = [
             # Collective names (Horovod matches on them) come from the tensors' names.
             Bucket(
                 layout,
                 params,
                 f"pyro_distributed.grad.{names[layout.members[0]]}+{len(layout.members) - 1}",
-                self._wire,
+                self._hook,
+                self._engine.world_size,
                 self.measure_norms,
             )
             for layout in plan_layouts(params, self._cap_bytes, group_of, norm_slot)
@@ -126,15 +144,30 @@ class GradientAverager:
         """
         if not plan.params:
             return True
-        buckets = plan.buckets
-        wires = [bucket.outgoing() for bucket in buckets]
-        self._engine.allreduce_(wires, op="sum", names=[bucket.name for bucket in buckets])
-        return all([bucket.receive() for bucket in buckets])
+        buckets, hook, engine = plan.buckets, self._hook, self._engine
+        packed = [bucket.packed() for bucket in buckets]
+        if isinstance(hook, AverageHook):
+            # One call for every bucket: the engine may fuse or group the sums.
+            world = engine.world_size
+            encoded = [hook.encode(one.buffer, one.size, world) for one in packed]
+            engine.allreduce_(
+                [wire for wire, _ in encoded], op="sum", names=[b.name for b in buckets]
+            )
+            results = [
+                hook.decode(wire, context, one.size, world)
+                for (wire, context), one in zip(encoded, packed, strict=True)
+            ]
+        else:
+            reducing = [hook(one, engine) for one in packed]
+            results = [one.wait() for one in reducing]
+        return all(
+            [bucket.received(result) for bucket, result in zip(buckets, results, strict=True)]
+        )
 
     def average_alone_(self, tensor: Tensor) -> Tensor:
         """``tensor``, in place, as averaging it with W-1 zero contributions
-        leaves it (:meth:`.wire.Wire.average_alone_`); no communication."""
-        return self._wire.average_alone_(tensor)
+        leaves it (:meth:`.hooks.CommHook.alone_`); no communication."""
+        return self._hook.alone_(tensor, self._engine.world_size)
 
     def squared_norms(self, plan: BucketPlan) -> tuple[float, float]:
         """``(mean_i |g_i|^2, |mean_i g_i|^2)`` over every worker's gradient g_i of the
@@ -143,16 +176,17 @@ class GradientAverager:
         A collective when a bucket could not carry its norm (then on every worker
         alike, since compression and dtypes are the same everywhere).
         """
-        buckets = plan.buckets
-        to_mean = self._wire.to_mean()
-        # Decoded bucket sums are means over workers, or sums with op="sum".
+        buckets, world = plan.buckets, self._engine.world_size
+        to_mean = self._hook.to_mean(world)
+        # A norm slot holds the sum over workers (the tail is summed exactly);
+        # a reduced gradient is a mean over workers, or a sum with op="sum".
         carried = _measured(b.summed_sq for b in buckets if b.layout.norm_slot)
-        small = sum(carried, 0.0) / to_mean
+        small = sum(carried, 0.0) / world
         kept = _measured(b.local_sq for b in buckets if not b.layout.norm_slot)
         if kept:
             local = torch.stack(kept).sum().reshape(1)
             self._engine.allreduce_([local], op="sum")
-            small = small + local[0] / self._engine.world_size
+            small = small + local[0] / world
         average = sum(_measured(b.average_sq for b in buckets), 0.0)
         return float(small), float(average) / to_mean**2
 

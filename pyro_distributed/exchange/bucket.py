@@ -19,11 +19,11 @@ out as::
 
 :class:`Layout` is the only code that knows these positions. A
 :class:`Bucket` owns one layout's trip: its members, its buffer kept from
-step to step (:class:`ResidentBuffer`), packing, the wire's encoding
-(:class:`~.wire.Wire`, shared by a plan's buckets), sending, receiving, and
-pointing each member's ``.grad`` at its average. The averager sends all of
-a plan's buckets in one call (:meth:`Bucket.outgoing`, then
-:meth:`Bucket.receive`); the overlap sends them one at a time during
+step to step (:class:`ResidentBuffer`), packing, handing the packed bucket
+to its communication hook (:mod:`.hooks`, shared by a plan's buckets),
+receiving, and pointing each member's ``.grad`` at its average. The
+averager reduces all of a plan's buckets at once (:meth:`Bucket.packed`,
+then :meth:`Bucket.received`); the overlap sends them one at a time during
 backward (:meth:`Bucket.send`). The bytes on the wire are the same either
 way.
 
@@ -41,8 +41,8 @@ the gradients do not fill the bucket (a parameter resized in place: the new
 tensor's pack names it), when a member's ``.grad`` *is* its view in this
 buffer (``zero_grad(set_to_none=False)`` keeps last step's views, so
 backward adds into the buffer, and a buffer still on the wire while another
-backward pass adds into it would mix the two), and under compression (a
-compressed sum comes back as a new tensor, whose own views the gradients
+backward pass adds into it would mix the two), and under a hook that is not
+``in_place`` (its result is a new tensor, whose own views the gradients
 take). The buffer is what the front end's ``.grad`` holds until its loop
 replaces or zeroes it: a reference to a ``.grad`` kept past the next step
 sees the next step's values, as under ``gradient_as_bucket_view=True``.
@@ -55,12 +55,11 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..engines import Engine, Pending
+from ..engines import Engine
 from ..errors import PyroDistributedError
 from ..torch_internals import (
     GradStamp,
@@ -70,7 +69,7 @@ from ..torch_internals import (
     grad_stamp,
     unflatten_dense,
 )
-from .wire import Wire
+from .hooks import CommHook, GradBucket, Reducing
 
 
 @dataclass(frozen=True)
@@ -266,20 +265,22 @@ class ResidentBuffer:
 
 @dataclass
 class _InFlight:
-    """A bucket's sum this step: on the wire, or summed."""
+    """A bucket's reduction this step: under way, or done."""
 
-    wire: Tensor
-    context: Any
-    pending: Pending | None  # None once summed
+    reducing: Reducing | None  # None once done
     #: The members' gradients when it left (to tell if one changed since).
     grads: list[GradStamp]
-    #: The summed tail (flags, riders), once read.
+    #: The reduced bucket and its tail (flags, norm slot, riders), once done.
+    result: Tensor | None = None
     tail: list[float] | None = None
 
-    def wait(self) -> None:
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
+    def done(self, layout: Layout) -> Tensor:
+        if self.result is None:
+            assert self.reducing is not None
+            self.result = self.reducing.wait()
+            self.reducing = None
+            self.tail = layout.tail(self.result)
+        return self.result
 
 
 class Bucket:
@@ -288,7 +289,8 @@ class Bucket:
     :param layout: where each value sits.
     :param params: the whole planned sequence (the layout's members index it).
     :param name: the collective's name (Horovod pairs collectives by name).
-    :param wire: the encoding shared by the plan's buckets.
+    :param hook: how the bucket travels, shared by the plan's buckets.
+    :param world_size: the number of workers.
     :param measure_norms: measure this worker's and the average's squared norms.
     """
 
@@ -297,14 +299,17 @@ class Bucket:
         layout: Layout,
         params: tuple[Tensor, ...],
         name: str,
-        wire: Wire,
+        hook: CommHook,
+        world_size: int,
         measure_norms: bool,
     ) -> None:
         self.layout = layout
         self.name = name
         self._params = params
         self._members = tuple(params[i] for i in layout.members)
-        self._wire = wire
+        self._shapes = tuple(member.shape for member in self._members)
+        self._hook = hook
+        self._world_size = world_size
         self._measure = measure_norms
         self._resident: ResidentBuffer | None = None
         self._in_flight: _InFlight | None = None
@@ -336,29 +341,37 @@ class Bucket:
         return flat
 
     def _pack_resident(self, riders: Sequence[float]) -> Tensor | None:
-        if self._wire.compression is not None:
-            return None  # a compressed sum comes back as a new tensor
+        if not self._hook.in_place:
+            return None  # the result comes back as a new tensor
         layout, resident = self.layout, self._resident
         if resident is None or resident.riders != len(riders):
             resident = self._resident = ResidentBuffer(layout, self._members, len(riders))
         return resident.pack(layout.flags, layout.riders_tensor(riders) if riders else None)
 
-    def outgoing(self, riders: Sequence[float] = (), watch: bool = False) -> Tensor:
-        """Pack and encode this step's bucket; return what goes on the wire, to
-        be summed in place (then :meth:`receive`). With ``watch``, remember
-        the members' gradients, for :meth:`stale`."""
+    def packed(self, riders: Sequence[float] = (), watch: bool = False) -> GradBucket:
+        """Pack this step's bucket for its hook. With ``watch``, remember the
+        members' gradients, for :meth:`stale`."""
         flat = self.pack(riders)
         stamps = [grad_stamp(member) for member in self._members] if watch else []
-        wire, context = self._wire.encode(flat, len(riders))
-        self._in_flight = _InFlight(wire, context, None, stamps)
-        return wire
+        self._in_flight = _InFlight(None, stamps)
+        return GradBucket(self.name, flat, self.layout.size, self._shapes, self._world_size)
+
+    def sent(self, reducing: Reducing) -> None:
+        """The reduction of what :meth:`packed` gave is under way."""
+        assert self._in_flight is not None, "the bucket was not packed"
+        self._in_flight.reducing = reducing
+
+    def received(self, result: Tensor) -> bool:
+        """The reduced bucket (from a batch of plain sums): point each member's
+        ``.grad`` at its average; return whether every average is finite."""
+        assert self._in_flight is not None, "the bucket was not packed"
+        self._in_flight = None
+        return self._unpack(result, None)
 
     def send(self, channel: Engine, riders: Sequence[float] = (), watch: bool = True) -> None:
-        """Start summing this bucket on ``channel`` (a collective, made by every
+        """Start this bucket's hook on ``channel`` (collectives made by every
         worker in the same order); :meth:`receive` finishes it."""
-        wire = self.outgoing(riders, watch)
-        assert self._in_flight is not None
-        self._in_flight.pending = channel.allreduce_async_(wire, "sum", self.name)
+        self.sent(self._hook(self.packed(riders, watch), channel))
 
     def stale(self) -> bool:
         """Whether a member's gradient changed since the bucket left (sent with ``watch``)."""
@@ -367,40 +380,32 @@ class Bucket:
         return any(map(grad_changed_since, self._members, in_flight.grads))
 
     def summed_riders(self) -> list[float]:
-        """Wait for the sum; its riders, summed exactly as written (read from the
-        wire before decoding)."""
+        """Wait for the reduction; its riders, summed exactly as written."""
         in_flight = self._in_flight
         assert in_flight is not None, "the bucket was not sent"
-        in_flight.wait()
-        in_flight.tail = self.layout.tail(in_flight.wire)
+        in_flight.done(self.layout)
+        assert in_flight.tail is not None
         return self.layout.riders(in_flight.tail)
 
     def receive(self) -> bool:
-        """Wait for the sum and point each member's ``.grad`` at its average;
-        return whether every average is finite."""
+        """Wait for the reduction and point each member's ``.grad`` at its
+        average; return whether every average is finite."""
         in_flight = self._in_flight
         assert in_flight is not None, "the bucket was not sent"
-        in_flight.wait()
+        flat = in_flight.done(self.layout)
         self._in_flight = None
-        flat = self._wire.decode(in_flight.wire, in_flight.context)
-        # The flags only need to be positive: the tail of the summed wire, read
-        # before decoding (summed_riders), serves as well.
         return self._unpack(flat, in_flight.tail)
 
     def riders_dtype(self) -> torch.dtype | None:
-        """The type riders travel in here, or ``None`` (:meth:`.wire.Wire.riders_dtype`)."""
-        return self._wire.riders_dtype(self.layout.dtype, self.layout.device)
-
-    def wait(self) -> None:
-        """Wait for a sum on the wire, if one is."""
-        if self._in_flight is not None:
-            self._in_flight.wait()
+        """The type riders travel in here, or ``None`` (:meth:`.hooks.CommHook.tail_dtype`)."""
+        return self._hook.tail_dtype(self.layout.dtype)
 
     def discard(self) -> None:
-        """Wait for a sum still on the wire, and drop it."""
-        if self._in_flight is not None:
-            self._in_flight.wait()
-            self._in_flight = None
+        """Finish a reduction still under way, and drop it."""
+        in_flight = self._in_flight
+        if in_flight is not None and in_flight.reducing is not None:
+            in_flight.reducing.drop()
+        self._in_flight = None
 
     def _unpack(self, flat: Tensor, tail: Sequence[float] | None) -> bool:
         layout = self.layout

@@ -36,7 +36,7 @@ What keeps this exact, and keeps workers' collectives paired:
   flags in its sum, so a step costs no collective beyond its buckets. The
   header is left out of any scaling and cast with the bucket, in pieces small
   enough that its sum is exact in the wire's type
-  (:meth:`~pyro_distributed.exchange.wire.Wire.riders_dtype` and
+  (:meth:`~pyro_distributed.exchange.hooks.CommHook.tail_dtype` and
   :func:`~pyro_distributed.exchange.agreement.digest_bits`: 8-bit pieces in
   float32, 4-bit ones in float16 up to 9 workers); only where no piece is
   small enough (a wire type without exact integers, or too many workers for
@@ -155,17 +155,16 @@ class BackwardOverlap:
         over workers (a collective, once per step, after :meth:`send_remaining`)."""
         assert self._carrier is not None
         self._send(self._carrier, header)
-        # Summed exactly as written (see _arm): read from the wire before decoding.
+        # The tail is summed exactly (see _arm and CommHook.tail_dtype).
         return self._plan.buckets[self._carrier].summed_riders()
 
     def finish(self, resend: Sequence[int]) -> bool:
         """Wait for every bucket, send again those flagged in ``resend`` (by any worker),
         and write the averages into ``.grad``; return whether all are finite."""
         buckets = self._plan.buckets
-        for bucket in buckets:
-            bucket.wait()
         for index in self._order:
             if resend[index]:
+                buckets[index].discard()  # a stateful hook keeps nothing of it
                 self._send(index)
         finite = True
         for bucket in buckets:

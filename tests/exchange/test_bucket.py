@@ -14,7 +14,7 @@ import torch
 import pyro_distributed as pd
 from pyro_distributed.exchange.averager import GradientAverager, Reduction
 from pyro_distributed.exchange.bucket import Layout, plan_layouts
-from pyro_distributed.exchange.wire import Wire
+from pyro_distributed.exchange.hooks import AverageHook
 
 from ..harness import run_workers
 
@@ -192,10 +192,10 @@ def resident_against_a_new_tensor() -> bool:
             param.grad = grad
         if step == 2:
             layout = plan.buckets[0].layout
-            codec = Wire("mean", 1.0, None, engine.world_size)
-            wire, context = codec.encode(layout.pack(params))
+            hook, world = AverageHook(), engine.world_size
+            wire, context = hook.encode(layout.pack(params), layout.size, world)
             engine.allreduce_([wire], op="sum")
-            expected = layout.split_gradients(codec.decode(wire, context))
+            expected = layout.split_gradients(hook.decode(wire, context, layout.size, world))
         assert averager.average_(plan)
     return all(
         torch.equal(param.grad.reshape(-1), want)  # type: ignore[union-attr]

@@ -1,0 +1,263 @@
+"""Communication hooks: what a bucket's trip does between packing and unpacking.
+
+A hook is given one packed bucket (:class:`GradBucket`) and the engine, starts
+the collectives it needs, and returns a :class:`Reducing` whose ``wait()``
+gives the bucket back with its gradients averaged and its tail (presence
+flags, norm slot, riders) summed exactly. Everything else about the trip
+(packing, overlap with backward, the agreement header, pointing ``.grad`` at
+the result) is the bucket's, so a new compression is one hook in one file.
+
+:class:`AverageHook` is the exact average every optimizer uses by default;
+with a narrowing compressor (``compression="fp16"`` or ``"bf16"``, or a
+Horovod ``Compression``) it divides by the world size before the sum, which
+then cannot overflow the narrow type. A hook may keep state across steps
+(:class:`~.low_rank.LowRankHook` keeps its error feedback); a plain function
+``(bucket, engine) -> Reducing`` becomes a hook with :func:`as_hook`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from ..engines import Engine, Pending
+
+__all__ = [
+    "AverageHook",
+    "CommHook",
+    "Compressor",
+    "GradBucket",
+    "Reducing",
+    "Waiting",
+    "as_hook",
+]
+
+
+@dataclass(frozen=True)
+class GradBucket:
+    """One packed bucket, as a hook sees it.
+
+    ``buffer`` is laid out as ``[gradients | tail]``: the members' gradients
+    flattened in order (``size`` values), then the tail, small counts that
+    must be summed exactly. The hook may write into ``buffer``.
+    """
+
+    #: A name unique to the bucket and the same on every worker (Horovod pairs
+    #: collectives by name; a stateful hook keys its state by it).
+    name: str
+    buffer: Tensor
+    #: How many gradient values the buffer starts with.
+    size: int
+    #: The members' shapes, in the buffer's order.
+    shapes: tuple[torch.Size, ...]
+    world_size: int
+
+    def gradients(self) -> Tensor:
+        """The gradient values (a view of :attr:`buffer`)."""
+        return self.buffer[: self.size]
+
+    def tail(self) -> Tensor:
+        """The values after the gradients, to be summed exactly (a view)."""
+        return self.buffer[self.size :]
+
+    def pieces(self) -> list[Tensor]:
+        """Each member's gradient, a view of :attr:`buffer` shaped like the member."""
+        numels = [shape.numel() for shape in self.shapes]
+        pieces = torch.split(self.gradients(), numels)
+        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes, strict=True)]
+
+
+class Reducing(ABC):
+    """A hook's result under way."""
+
+    @abstractmethod
+    def wait(self) -> Tensor:
+        """The bucket, its gradients averaged and its tail summed (may start
+        further collectives; every worker waits in the same order)."""
+
+    def drop(self) -> None:
+        """Finish what is on the wire and keep nothing (the step resends or
+        runs without it); a stateful hook leaves its state as it was."""
+        self.wait()
+
+
+class CommHook(ABC):
+    """How a bucket travels (module docstring). Subclass it and define
+    :meth:`__call__`; the defaults below suit a hook that averages in the
+    bucket's own type.
+
+    Example, a hook that sums the bucket in place and divides its gradients
+    afterwards::
+
+        from pyro_distributed.exchange import CommHook, Waiting
+
+        class SumThenDivide(CommHook):
+            in_place = True
+
+            def __call__(self, bucket, engine):
+                pending = engine.allreduce_async_(bucket.buffer, "sum", bucket.name)
+
+                def mean():
+                    bucket.gradients().div_(bucket.world_size)
+                    return bucket.buffer
+
+                return Waiting(pending, mean)
+
+    .. warning::
+        A hook runs on every worker for every bucket, in the same order; it
+        must start the same collectives everywhere, and whatever it keeps
+        across steps must leave every worker's result identical.
+    """
+
+    #: Whether :meth:`Reducing.wait` returns ``bucket.buffer`` itself; then a
+    #: bucket keeps its buffer, and its members' views, from step to step.
+    in_place: bool = False
+
+    @abstractmethod
+    def __call__(self, bucket: GradBucket, engine: Engine) -> Reducing:
+        """Start the bucket's reduction on ``engine``."""
+
+    def tail_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The type a bucket of ``dtype`` sums its tail in, or ``None`` where
+        the tail cannot travel in the bucket (the agreement header then
+        travels on its own)."""
+        return dtype
+
+    def alone_(self, tensor: Tensor, world_size: int) -> Tensor:
+        """``tensor``, in place, as the hook would average it if every other
+        worker sent zeros: a gradient that never travels (a local parameter's)."""
+        return tensor.div_(world_size)
+
+    def to_mean(self, world_size: int) -> float:
+        """What turns a reduced gradient into a mean over workers: the divisor."""
+        return 1.0
+
+
+class Waiting(Reducing):
+    """An engine's pending collective, then ``finish()`` for the result."""
+
+    def __init__(self, pending: Pending, finish: Callable[[], Tensor]) -> None:
+        self._pending, self._finish = pending, finish
+
+    def wait(self) -> Tensor:
+        self._pending.wait()
+        return self._finish()
+
+    def drop(self) -> None:
+        self._pending.wait()
+
+
+class Compressor(Protocol):
+    """Turns a buffer into what goes on the wire and back.
+
+    Horovod's ``hvd.Compression.none`` and ``hvd.Compression.fp16`` have this shape.
+    """
+
+    def compress(self, tensor: Tensor) -> tuple[Tensor, Any]: ...
+
+    def decompress(self, tensor: Tensor, ctx: Any) -> Tensor: ...
+
+
+class AverageHook(CommHook):
+    """One all-reduce of the bucket, scaled around the sum, optionally compressed.
+
+    :param op: ``"mean"`` or ``"sum"``, as :class:`~.averager.Reduction` says.
+    :param predivide: with ``"mean"``, the part of the division made before the sum.
+    :param compression: a stateless compressor applied to the whole bucket.
+
+    With ``op="mean"`` the division by the world size is split around the sum
+    as Horovod's ``gradient_predivide_factor`` splits it; a compressor that
+    narrows the type divides by the whole world size before the sum. Only the
+    gradients are scaled: the tail's sum stays the exact integers it was.
+    A local gradient is scaled by the same operations (:meth:`alone_`), so it
+    comes out bitwise as the exchange would have averaged it.
+    """
+
+    def __init__(
+        self,
+        op: Literal["mean", "sum"] = "mean",
+        predivide: float = 1.0,
+        compression: Compressor | None = None,
+    ) -> None:
+        self.op, self.predivide, self.compression = op, predivide, compression
+        self.in_place = compression is None
+        self._narrows: dict[torch.dtype, torch.dtype | None] = {}
+
+    def __call__(self, bucket: GradBucket, engine: Engine) -> Reducing:
+        wire, context = self.encode(bucket.buffer, bucket.size, bucket.world_size)
+        pending = engine.allreduce_async_(wire, "sum", bucket.name)
+        return Waiting(pending, lambda: self.decode(wire, context, bucket.size, bucket.world_size))
+
+    def encode(self, flat: Tensor, size: int, world_size: int) -> tuple[Tensor, Any]:
+        """Scale the first ``size`` values of ``flat`` for the sum (in place),
+        and compress; what goes on the wire, and the compressor's context."""
+        _scaled(flat[:size], self._scales(flat.dtype, world_size)[0])
+        if self.compression is None:
+            return flat, None
+        return self.compression.compress(flat)
+
+    def decode(self, wire: Tensor, context: Any, size: int, world_size: int) -> Tensor:
+        """The summed wire back as a flat bucket, its first ``size`` values averaged."""
+        flat = wire if self.compression is None else self.compression.decompress(wire, context)
+        _scaled(flat[:size], self._scales(flat.dtype, world_size)[1])
+        return flat
+
+    def alone_(self, tensor: Tensor, world_size: int) -> Tensor:
+        wire, context = self.encode(tensor, tensor.numel(), world_size)
+        averaged = self.decode(wire, context, tensor.numel(), world_size)
+        return averaged if averaged is tensor else tensor.copy_(averaged)
+
+    def tail_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        if self.compression is None:
+            return dtype
+        if dtype not in self._narrows:
+            # Asked once per dtype: a compressor here is stateless (Horovod's are).
+            probe = torch.zeros(2, dtype=dtype)
+            wire = self.compression.compress(probe)[0]
+            self._narrows[dtype] = wire.dtype if wire.shape == probe.shape else None
+        return self._narrows[dtype]
+
+    def to_mean(self, world_size: int) -> float:
+        return 1.0 if self.op == "mean" else float(world_size)
+
+    def _scales(self, dtype: torch.dtype, world_size: int) -> tuple[float, float]:
+        """Factors before and after the sum, for a bucket of ``dtype``."""
+        if self.op == "sum":
+            return 1.0, 1.0
+        narrowed = self.compression is not None and self.tail_dtype(dtype) != dtype
+        before = world_size if narrowed else self.predivide
+        return 1.0 / before, before / world_size
+
+    def __repr__(self) -> str:
+        extra = f", compression={self.compression!r}" if self.compression is not None else ""
+        return f"AverageHook(op={self.op!r}, predivide={self.predivide}{extra})"
+
+
+def _scaled(tensor: Tensor, factor: float) -> Tensor:
+    return tensor.mul_(factor) if factor != 1.0 else tensor
+
+
+class _FunctionHook(CommHook):
+    def __init__(self, function: Callable[[GradBucket, Engine], Reducing]) -> None:
+        self._function = function
+
+    def __call__(self, bucket: GradBucket, engine: Engine) -> Reducing:
+        return self._function(bucket, engine)
+
+    def __repr__(self) -> str:
+        return f"as_hook({getattr(self._function, '__name__', self._function)!r})"
+
+
+def as_hook(hook: CommHook | Callable[[GradBucket, Engine], Reducing]) -> CommHook:
+    """``hook`` as a :class:`CommHook`: a plain function ``(bucket, engine) ->
+    Reducing`` gets the defaults (averages in the bucket's type, out of place)."""
+    if isinstance(hook, CommHook):
+        return hook
+    if not callable(hook):
+        raise TypeError(f"comm_hook must be a CommHook or a function, got {type(hook).__name__}")
+    return _FunctionHook(hook)

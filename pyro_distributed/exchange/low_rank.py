@@ -1,0 +1,248 @@
+"""A low-rank communication hook with error feedback.
+
+Each large gradient matrix M (a member of two or more dimensions, seen as
+``shape[0]`` rows) is sent as two thin factors instead of itself: with Q the
+factor kept from the last step, every worker sends P = M Q (summed), makes
+the summed P orthonormal, sends Q = M^T P (summed), and takes P Q^T / W as
+the average. That is the projection of the average of the workers' M onto
+the columns of P, a rank-``rank`` approximation that costs ``rank * (n + m)``
+values on the wire instead of ``n * m``. Keeping Q from step to step (a warm
+start) makes one round of this power iteration track the gradient's leading
+subspace, and what a step leaves out of a worker's M (its error) is added to
+that worker's next gradient, so no direction is lost, only delayed (the idea
+of PowerSGD, Vogels et al., 2019).
+
+Members that would not shrink by at least ``min_compression``, vectors, and
+the bucket's tail travel exactly, in the first of the two sums. Every worker
+computes the same factors from the same sums, so parameters stay identical
+on every worker; only the error, which stays on its worker, differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..engines import Engine, Pending
+from .hooks import CommHook, GradBucket, Reducing
+
+__all__ = ["LowRankHook"]
+
+
+class LowRankHook(CommHook):
+    """Sends each large gradient matrix as two rank-``rank`` factors (module docstring).
+
+    :param rank: the rank of the approximation.
+    :param warmup_steps: the steps each bucket is averaged exactly before
+        compression starts (the early gradients change fastest).
+    :param min_compression: compress an ``n x m`` matrix only where it holds at
+        least this many times the values of its factors:
+        ``n * m >= min_compression * rank * (n + m)``.
+    :param error_feedback: add what a step left out to the next gradient.
+    :param seed: seeds the first Q, identically on every worker.
+
+    Example::
+
+        optim = pd.DistributedOptimizer(
+            pyro.optim.Adam({"lr": 1e-3}), comm_hook=pd.LowRankHook(rank=4)
+        )
+
+    .. warning::
+        The average is approximate: the trained parameters differ from
+        uncompressed training (identically on every worker). Check the
+        held-out loss against a run without it before relying on it.
+    """
+
+    in_place = True
+
+    def __init__(
+        self,
+        rank: int = 4,
+        *,
+        warmup_steps: int = 10,
+        min_compression: float = 2.0,
+        error_feedback: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank must be a positive int, got {rank!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if not isinstance(min_compression, (int, float)) or not min_compression >= 1:
+            raise ValueError(f"min_compression must be a number >= 1, got {min_compression!r}")
+        self.rank = rank
+        self.warmup_steps = warmup_steps
+        self.min_compression = float(min_compression)
+        self.error_feedback = bool(error_feedback)
+        self.seed = seed
+        self._buckets: dict[str, _BucketState] = {}
+
+    def __call__(self, bucket: GradBucket, engine: Engine) -> Reducing:
+        state = self._state(bucket)
+        if state.steps < self.warmup_steps or not state.matrices:
+            state.steps += 1
+            pending = engine.allreduce_async_(bucket.buffer, "sum", bucket.name)
+            return _Exact(pending, bucket)
+        return _LowRank(self, state, bucket, engine)
+
+    def _state(self, bucket: GradBucket) -> _BucketState:
+        state = self._buckets.get(bucket.name)
+        if state is None or state.shapes != bucket.shapes:
+            state = self._buckets[bucket.name] = _BucketState(bucket.shapes, self._matrices(bucket))
+        return state
+
+    def _matrices(self, bucket: GradBucket) -> list[int]:
+        """The members worth compressing, by index."""
+        chosen = []
+        for index, shape in enumerate(bucket.shapes):
+            if len(shape) < 2:
+                continue
+            rows, columns = shape[0], shape.numel() // shape[0]
+            rank = min(self.rank, rows, columns)
+            if rows * columns >= self.min_compression * rank * (rows + columns):
+                chosen.append(index)
+        return chosen
+
+    def __repr__(self) -> str:
+        return f"LowRankHook(rank={self.rank}, warmup_steps={self.warmup_steps})"
+
+
+@dataclass(eq=False)
+class _BucketState:
+    """What the hook keeps for one bucket between steps."""
+
+    shapes: tuple[torch.Size, ...]
+    #: The members compressed, by index.
+    matrices: list[int]
+    steps: int = 0
+    #: Per compressed member: the warm-start Q (m x r) and this worker's error (n x m).
+    q: list[Tensor] = field(default_factory=list)
+    error: list[Tensor] = field(default_factory=list)
+
+
+class _Exact(Reducing):
+    """The exact average of a bucket summed in place."""
+
+    def __init__(self, pending: Pending, bucket: GradBucket) -> None:
+        self._pending, self._bucket = pending, bucket
+
+    def wait(self) -> Tensor:
+        self._pending.wait()
+        self._bucket.gradients().div_(self._bucket.world_size)
+        return self._bucket.buffer
+
+    def drop(self) -> None:
+        self._pending.wait()
+
+
+class _LowRank(Reducing):
+    """One bucket's two sums: P with everything sent exactly, then Q."""
+
+    def __init__(
+        self, hook: LowRankHook, state: _BucketState, bucket: GradBucket, engine: Engine
+    ) -> None:
+        self._state, self._bucket, self._engine = state, bucket, engine
+        pieces = bucket.pieces()
+        chosen = set(state.matrices)
+        self._exact = [piece for index, piece in enumerate(pieces) if index not in chosen]
+        self._matrices = [
+            pieces[index].reshape(pieces[index].shape[0], -1) for index in state.matrices
+        ]
+        if not state.q:
+            state.q = _first_q(self._matrices, hook.rank, hook.seed, bucket.buffer.dtype)
+            state.error = (
+                [torch.zeros_like(m) for m in self._matrices] if hook.error_feedback else []
+            )
+        # M plus last step's error: new tensors, so the bucket's buffer is free for the result.
+        self._m = (
+            [m + e for m, e in zip(self._matrices, state.error, strict=True)]
+            if state.error
+            else [m.clone() for m in self._matrices]
+        )
+        ps = [m @ q for m, q in zip(self._m, state.q, strict=True)]
+        self._first = torch.cat(
+            [
+                *(piece.reshape(-1) for piece in self._exact),
+                bucket.tail(),
+                *(p.reshape(-1) for p in ps),
+            ]
+        )
+        self._p_shapes = [p.shape for p in ps]
+        self._pending: Pending | None = engine.allreduce_async_(
+            self._first, "sum", f"{bucket.name}.p"
+        )
+
+    def wait(self) -> Tensor:
+        bucket, state = self._bucket, self._state
+        assert self._pending is not None
+        self._pending.wait()
+        self._pending = None
+        world = bucket.world_size
+        exact_size = sum(piece.numel() for piece in self._exact)
+        tail = bucket.tail()
+        exact, summed_tail, p_flat = torch.split(
+            self._first, [exact_size, tail.numel(), self._first.numel() - exact_size - tail.numel()]
+        )
+        ps = [
+            p.view(shape)
+            for p, shape in zip(
+                torch.split(p_flat, [s.numel() for s in self._p_shapes]),
+                self._p_shapes,
+                strict=True,
+            )
+        ]
+        for p in ps:
+            _orthonormalize_(p)
+        qs = [m.T @ p for m, p in zip(self._m, ps, strict=True)]
+        second = torch.cat([q.reshape(-1) for q in qs])
+        self._engine.allreduce_async_(second, "sum", f"{bucket.name}.q").wait()
+        second.div_(world)
+        qs = [
+            q.view_as(old)
+            for q, old in zip(torch.split(second, [q.numel() for q in qs]), qs, strict=True)
+        ]
+        finite = bool(torch.isfinite(second).all()) and bool(torch.isfinite(p_flat).all())
+        # Write the result into the bucket: exact members averaged, the tail summed,
+        # each matrix its approximation P Q^T.
+        exact.div_(world)
+        offset = 0
+        for piece in self._exact:
+            piece.copy_(exact[offset : offset + piece.numel()].view_as(piece))
+            offset += piece.numel()
+        tail.copy_(summed_tail)
+        for index, (matrix, p, q) in enumerate(zip(self._matrices, ps, qs, strict=True)):
+            torch.mm(p, q.T, out=matrix) if matrix.is_contiguous() else matrix.copy_(p @ q.T)
+            if state.error and finite:
+                torch.sub(self._m[index], matrix, out=state.error[index])
+        if finite:
+            state.q = qs
+        else:
+            # A NaN or Inf gradient (the step is skipped) must not poison later steps.
+            state.q, state.error = [], []
+        return bucket.buffer
+
+    def drop(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+
+def _first_q(matrices: list[Tensor], rank: int, seed: int, dtype: torch.dtype) -> list[Tensor]:
+    """Random starting factors, the same on every worker."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(m.shape[1], min(rank, *m.shape), generator=generator, dtype=dtype).to(m.device)
+        for m in matrices
+    ]
+
+
+def _orthonormalize_(p: Tensor, eps: float = 1e-8) -> None:
+    """Make the columns of ``p`` orthonormal in place (modified Gram-Schmidt)."""
+    for column in range(p.shape[1]):
+        vector = p[:, column : column + 1]
+        vector.div_(vector.norm().clamp_min(eps))
+        if column + 1 < p.shape[1]:
+            rest = p[:, column + 1 :]
+            rest.sub_(vector @ (vector.T @ rest))

@@ -1,0 +1,144 @@
+"""LowRankHook: low-rank averages with error feedback, across real workers.
+
+An average of rank at most the hook's rank comes back exact; a full-rank one
+is approximated, and error feedback makes the sum of what the steps applied
+track the sum of the true averages; every worker gets the same result; a
+dropped reduction leaves the hook's state as it was; bad arguments are refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pyro_distributed as pd
+from pyro_distributed.exchange import GradBucket, LowRankHook
+
+from ..harness import run_workers
+
+SHAPES = [torch.Size([40, 30]), torch.Size([7]), torch.Size([30, 20])]
+
+
+def _bucket(grads: list[torch.Tensor], name: str = "b") -> GradBucket:
+    """A bucket as the exchange packs it: the gradients, then two tail values."""
+    tail = torch.tensor([1.0, 3.0])
+    buffer = torch.cat([*(g.reshape(-1) for g in grads), tail])
+    size = sum(g.numel() for g in grads)
+    return GradBucket(name, buffer, size, tuple(g.shape for g in grads), pd.world_size())
+
+
+def _grads(generator: torch.Generator, rank: int | None) -> list[torch.Tensor]:
+    """Per member, a gradient; matrices of rank ``rank`` (full rank with ``None``)."""
+    grads = []
+    for shape in SHAPES:
+        if len(shape) == 2 and rank is not None:
+            left = torch.randn(shape[0], rank, generator=generator)
+            grads.append(
+                left @ torch.randn(rank, shape[1], generator=torch.Generator().manual_seed(7))
+            )
+        else:
+            grads.append(torch.randn(shape, generator=generator))
+    return grads
+
+
+def low_rank_averages(
+    rank_of_grads: int | None, steps: int, error_feedback: bool = True
+) -> dict[str, object]:
+    """Reduce the same gradients ``steps`` times; per step, the result and the exact mean."""
+    engine = pd.current_engine()
+    hook = LowRankHook(rank=2, warmup_steps=0, error_feedback=error_feedback)
+    grads = _grads(torch.Generator().manual_seed(pd.rank()), rank_of_grads)
+    exact = [pd.all_mean(g.clone()) for g in grads]
+    results, tails = [], []
+    for _ in range(steps):
+        bucket = _bucket([g.clone() for g in grads])
+        out = hook(bucket, engine).wait()
+        assert out is bucket.buffer, "an in_place hook returns the bucket's buffer"
+        results.append(out[: bucket.size].clone())
+        tails.append(out[bucket.size :].tolist())
+    return {"results": results, "exact": torch.cat([e.reshape(-1) for e in exact]), "tails": tails}
+
+
+def test_an_average_of_low_rank_comes_back_exact_and_the_tail_summed() -> None:
+    # Each worker's matrices share their row space, so the average has rank 2.
+    outcomes = run_workers(low_rank_averages, 2, 2)
+    for outcome in outcomes:
+        assert torch.allclose(outcome["results"][-1], outcome["exact"], atol=1e-4)
+        assert outcome["tails"] == [[2.0, 6.0]] * 2, "the tail is summed exactly"
+    assert torch.equal(outcomes[0]["results"][-1], outcomes[1]["results"][-1])
+
+
+def _relative_errors(outcome: dict[str, object], steps: int) -> tuple[float, float]:
+    """Of the first step's result, and of the sum of every step's, against the exact."""
+    exact, results = outcome["exact"], outcome["results"]
+    assert isinstance(exact, torch.Tensor) and isinstance(results, list)
+    one_step = (results[0] - exact).norm() / exact.norm()
+    cumulative = (torch.stack(results).sum(0) - steps * exact).norm() / (steps * exact.norm())
+    return float(one_step), float(cumulative)
+
+
+def test_error_feedback_makes_the_applied_sum_track_the_true_sum() -> None:
+    steps = 30
+    with_feedback = run_workers(low_rank_averages, None, steps)
+    without = run_workers(low_rank_averages, None, steps, False)
+    for fed, plain in zip(with_feedback, without, strict=True):
+        one_step, cumulative = _relative_errors(fed, steps)
+        _, cumulative_plain = _relative_errors(plain, steps)
+        assert one_step > 0.3, "full-rank averages are approximated, not sent whole"
+        assert cumulative < cumulative_plain / 2, (cumulative, cumulative_plain)
+    # Identical on every worker, step after step: the parameters stay in sync.
+    for first, second in zip(with_feedback[0]["results"], with_feedback[1]["results"], strict=True):
+        assert torch.equal(first, second)
+
+
+def dropped_then_reduced() -> tuple[torch.Tensor, torch.Tensor]:
+    """A reduction dropped, then one kept; and the same gradients by a fresh hook."""
+    engine = pd.current_engine()
+    grads = _grads(torch.Generator().manual_seed(pd.rank()), None)
+    hook = LowRankHook(rank=2, warmup_steps=0)
+    hook(_bucket([g.clone() for g in grads]), engine).drop()
+    kept = hook(_bucket([g.clone() for g in grads]), engine).wait()
+    fresh = LowRankHook(rank=2, warmup_steps=0)(_bucket([g.clone() for g in grads]), engine).wait()
+    return kept, fresh
+
+
+def test_a_dropped_reduction_leaves_the_state_as_it_was() -> None:
+    for kept, fresh in run_workers(dropped_then_reduced):
+        assert torch.equal(kept, fresh)
+
+
+def warmup_and_vectors() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per step: the hook's result and the exact mean (warm-up steps, then compressed)."""
+    engine = pd.current_engine()
+    hook = LowRankHook(rank=1, warmup_steps=2)
+    pairs = []
+    for step in range(3):
+        grads = _grads(torch.Generator().manual_seed(10 * step + pd.rank()), None)
+        exact = torch.cat([pd.all_mean(g.clone()).reshape(-1) for g in grads])
+        bucket = _bucket(grads)
+        pairs.append((hook(bucket, engine).wait()[: bucket.size].clone(), exact))
+    return pairs
+
+
+def test_warmup_steps_are_exact_and_vectors_always_are() -> None:
+    vector = slice(40 * 30, 40 * 30 + 7)
+    for pairs in run_workers(warmup_and_vectors):
+        for got, exact in pairs[:2]:
+            assert torch.allclose(got, exact, rtol=0, atol=1e-6)
+        got, exact = pairs[2]
+        assert not torch.allclose(got, exact, atol=1e-3), "compressed from the third step"
+        assert torch.allclose(got[vector], exact[vector], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rank": 0}, "rank must be a positive int"),
+        ({"rank": True}, "rank must be a positive int"),
+        ({"rank": 2, "warmup_steps": -1}, "warmup_steps must be an int >= 0"),
+        ({"rank": 2, "min_compression": 0.5}, "min_compression must be a number >= 1"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LowRankHook(**kwargs)  # type: ignore[arg-type]
