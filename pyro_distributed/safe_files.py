@@ -47,8 +47,8 @@ from .devices import checkpoint_location
 
 MAGIC = b"\x89PYRO-DIST\r\n\x1a\n\x00\x00"
 HEADER_BYTES = 4096
-#: Version 4 put a checked header before a payload of plain data; versions 1 to 3
-#: were plain ``torch.save`` files of any object.
+#: Version 4 files have a checked header before a payload of plain data; files
+#: of versions 1 to 3 are plain ``torch.save`` files of any object.
 FORMAT_VERSION = 4
 #: How a file of version 3 and older starts: a zip archive, torch.save's format.
 _LEGACY_START = b"PK\x03\x04"

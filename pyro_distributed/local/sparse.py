@@ -95,9 +95,8 @@ PERMUTE_BELOW = 64
 def draw_rows(length: int, count: int, generator: torch.Generator) -> Tensor:
     """``count`` distinct rows of ``range(length)``, uniformly at random, in O(count).
 
-    The dense mode draws ``torch.randperm(length)[:count]``, O(length): at
-    N = 10^6 and W = 2 that permutation of 500,000 rows alone costs more than
-    the rest of a sparse step. Here rows are drawn with replacement and a row
+    The dense mode draws ``torch.randperm(length)[:count]``, O(length), which
+    on a large block costs more than the rest of a sparse step. Here rows are drawn with replacement and a row
     seen before is drawn again, in rounds, keeping first sightings in order:
     the same as drawing one row at a time from those not yet drawn, so every
     ordered choice of ``count`` distinct rows is equally likely. The expected
