@@ -96,13 +96,14 @@ def draw_rows(length: int, count: int, generator: torch.Generator) -> Tensor:
     """``count`` distinct rows of ``range(length)``, uniformly at random, in O(count).
 
     The dense mode draws ``torch.randperm(length)[:count]``, O(length), which
-    on a large block costs more than the rest of a sparse step. Here rows are drawn with replacement and a row
-    seen before is drawn again, in rounds, keeping first sightings in order:
-    the same as drawing one row at a time from those not yet drawn, so every
-    ordered choice of ``count`` distinct rows is equally likely. The expected
-    work is O(count) while ``count`` is a small fraction of ``length``; for
-    a large fraction (``length < PERMUTE_BELOW * count``) the permutation is
-    cheap, and used, so that a batch of a whole block draws as the dense mode does.
+    on a large block costs more than the rest of a sparse step. Here rows are
+    drawn with replacement and a row seen before is drawn again, in rounds,
+    keeping first sightings in order: the same as drawing one row at a time
+    from those not yet drawn, so every ordered choice of ``count`` distinct
+    rows is equally likely. The expected work is O(count) while ``count`` is a
+    small fraction of ``length``; for a large fraction (``length <
+    PERMUTE_BELOW * count``) the permutation is cheap, and used, so that a
+    batch of a whole block draws as the dense mode does.
     """
     device = generator.device  # the generator's: the CPU one for the library's own draws
     if length < PERMUTE_BELOW * count:
