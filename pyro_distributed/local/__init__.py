@@ -4,9 +4,9 @@ Under ``pd.shard_subsamples(own_local_params=True)`` a plate of size N is cut
 into W contiguous blocks (:func:`~pyro_distributed.partition.block_range`);
 worker r draws its subsamples from block r only, and the rows of a local
 parameter outside block r never exist on worker r, in the param store or in
-the optimizer. A local gradient never travels: replicated, its rows would be
-averaged with W-1 zero contributions, so :func:`scale_local_grads` multiplies
-by exactly 1/W and the rows come out bitwise as the replicated path's.
+the optimizer. A local gradient never travels; it is scaled as the exchange
+scales an average (:mod:`.gradients`), so the rows come out bitwise as the
+replicated path's.
 
 The record of which parameters are local is :mod:`.registry`; the param-store
 surgery that keeps a block, :mod:`.store`; their gradients, :mod:`.gradients`
