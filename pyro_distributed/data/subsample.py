@@ -189,7 +189,7 @@ class shard_subsamples(Messenger):
                     f"plate {name!r}: subsample_size {per_worker} exceeds worker "
                     f"{runtime.rank()}'s block of {len(block)} of its {size} rows"
                 )
-            if self.local_updates == "sparse":  # [sparse-local] O(batch), not O(N/W)
+            if self.local_updates == "sparse":  # O(batch), not O(N/W)
                 draw = sparse.draw_rows(len(block), per_worker, block_generator())
             else:
                 # cpu: the CPU block generator's draw, moved to the plate's device below.
