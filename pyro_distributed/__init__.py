@@ -15,16 +15,10 @@ Example::
     svi = pyro.infer.SVI(model, guide, optim, pyro.infer.Trace_ELBO())
     loss = pd.all_mean(svi.step(my_shard))
 
-The package is laid out by the job each part does, in layers that import
-only downwards (checked by import-linter, see ``pyproject.toml``):
-``evaluation`` and ``checkpoint`` work on a trained model; ``optim`` holds
-the optimizers users hand to SVI and ``data`` decides which rows each worker
-sees; ``local`` keeps per-data-point parameters on their owner and
-``exchange`` moves gradients between workers without knowing Pyro, so that
-any front end can call it; ``engines`` are the transports. Every public name
-is re-exported here, so users never need the subpackages; the scaling
-planner's five names stay together in one namespace, ``pd.scaling``
-(``pd.scaling.scaling_advice(...)``).
+Every public name is re-exported here, so users never need the subpackages;
+the scaling planner's names stay together in one namespace, ``pd.scaling``.
+The subpackages are layers that import only downwards (``docs/development.md``;
+import-linter checks them).
 """
 
 from . import scaling

@@ -1,26 +1,15 @@
 """Where tensors live: the GPU each worker takes, how CUDA tensors travel, and
 where a checkpoint's tensors land when it is read back.
 
-Three decisions, each a plain function of what it is told, so that the
-logic is tested on machines without a GPU:
-
-* :func:`cuda_device_index`: the GPU a worker takes. ``LOCAL_RANK`` numbers
-  the workers of one machine; when a machine shows a worker fewer GPUs than
-  that (two workers on one GPU, or a scheduler that shows each worker only its
-  own GPU through ``CUDA_VISIBLE_DEVICES``), the index wraps around instead
-  of naming a GPU that does not exist.
-* :func:`cuda_transport`: how the torch engine moves CUDA tensors, from every
-  worker's ``(host, GPU id)``. NCCL refuses two ranks on one GPU (it fails at
-  the first collective with "Duplicate GPU detected"), so when workers share a
-  GPU their CUDA tensors travel on gloo instead, which reduces and broadcasts
-  CUDA tensors through host memory: slower than NCCL, the same numbers, one
-  warning that names the workers and the GPU. The MPI engine needs no such
-  decision: without a CUDA-aware MPI it stages CUDA tensors through pinned
-  host memory, which works however many workers share a GPU.
-* :func:`checkpoint_location`: the ``map_location`` of every ``torch.load``
-  in the library. A tensor saved on some GPU is read onto this worker's
-  current GPU (or the CPU, on a machine without one); a CPU tensor (an RNG
-  state, an index) stays on the CPU.
+Each decision is a plain function of what it is told, so it is tested
+without a GPU. :func:`cuda_device_index` wraps ``LOCAL_RANK`` around the GPUs
+a worker sees (several workers on one GPU, or one GPU shown per worker).
+:func:`cuda_transport` sends CUDA tensors over gloo, through host memory,
+with one warning, when workers share a GPU, since NCCL refuses two ranks on
+one device (the MPI engine stages through the host anyway).
+:func:`checkpoint_location` is the ``map_location`` of every ``torch.load``
+in the library: a GPU tensor onto this worker's GPU (or the CPU without
+one), a CPU tensor (an RNG state, an index) stays on the CPU.
 """
 
 from __future__ import annotations

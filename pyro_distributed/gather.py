@@ -1,19 +1,14 @@
 """Assembling per-worker pieces of named tensors into whole tensors, streamed.
 
-Prediction and evaluation leave each worker with a piece of every result:
-its share of the samples (pieces stacked along dim 0) or of the data points
-(pieces concatenated along the data plate's axis). :func:`gather_pieces`
-puts them together in rank order, on worker 0 or on every worker.
-
-It streams: the shapes travel first, in one small object all-gather, so the
-receivers allocate the result once; then each worker's piece is broadcast
-from that worker in turn and copied into place. A receiver holds the result
-plus one piece at a time, never every piece at once, and a worker that does
-not keep the result holds only one piece. Engines offer broadcasts, not
-point-to-point sends, so every piece reaches every worker; that costs
-bandwidth, not memory. :func:`stream_pieces` is the same trip with the
-joining left to a :class:`PieceSink`: a writer can put each piece in a
-file as it arrives and never hold the whole.
+:func:`gather_pieces` puts each worker's piece of every result (its share of
+the samples, or of the data points) together in rank order, on worker 0 or
+on every worker. It streams: the shapes travel first, in one small object
+all-gather, so receivers allocate the result once; then each worker
+broadcasts its piece in turn and receivers copy it into place, holding the
+result plus one piece, never every piece. (Engines offer broadcasts, not
+sends, so every piece reaches every worker: bandwidth, not memory.)
+:func:`stream_pieces` leaves the joining to a :class:`PieceSink`, so a writer
+can put each piece in a file and never hold the whole.
 """
 
 from __future__ import annotations

@@ -9,21 +9,15 @@ Every checkpoint and block file the library writes has this layout::
                           payload's length and SHA-256, what the file is
     payload               torch.save of tensors, numbers, strings, lists and dicts
 
-Reading takes the header alone first: a file that is not one of ours, is of
-another kind, or was written by a newer format is refused before a byte of the
-payload is interpreted. The payload's length and checksum are checked next, so
-a truncated or bit-flipped file is refused by name, not half loaded. Only then
-is it unpickled, with ``torch.load(weights_only=True)`` and an allow-list the
-caller names (Pyro's constraint classes, for a param store): a file can hold
-data, never choose code. ``trusted=True`` unpickles in full, for state the
-user's own classes hold, and for files of format version 3 and older, which
-were plain ``torch.save`` files.
-
-Files are written as ``torch.save`` writes them, but all or nothing: to a
-temporary name beside the target (created with mode 0666 less the umask),
-flushed and fsynced, renamed over the target, and the directory fsynced so
-that the rename itself survives a crash. Temporaries a killed writer left are
-named ``.<target>.<random>.tmp`` and removed by :func:`remove_temporaries`.
+Reading checks, in order, the header (a foreign file, another kind or a newer
+format is refused before the payload is touched), the payload's length and
+checksum (a truncated or bit-flipped file is refused by name), and only then
+unpickles with ``torch.load(weights_only=True)`` and the caller's allow-list:
+a file holds data, never chooses code. ``trusted=True`` unpickles in full,
+for the user's own classes and for format version 3 and older. Writing is
+all or nothing: a temporary ``.<target>.<random>.tmp`` beside the target
+(mode 0666 less the umask), fsynced, renamed over it, and the directory
+fsynced; :func:`remove_temporaries` removes a killed writer's leftovers.
 """
 
 from __future__ import annotations
@@ -47,8 +41,8 @@ from .devices import checkpoint_location
 
 MAGIC = b"\x89PYRO-DIST\r\n\x1a\n\x00\x00"
 HEADER_BYTES = 4096
-#: Version 4 put a checked header before a payload of plain data; versions 1 to 3
-#: were plain ``torch.save`` files of any object.
+#: Version 4 files have a checked header before a payload of plain data; files
+#: of versions 1 to 3 are plain ``torch.save`` files of any object.
 FORMAT_VERSION = 4
 #: How a file of version 3 and older starts: a zip archive, torch.save's format.
 _LEGACY_START = b"PK\x03\x04"

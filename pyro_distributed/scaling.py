@@ -1,31 +1,14 @@
 """How many workers to use: time to a target loss, projected from measurements.
 
-Two things decide whether more workers pay, and both are measured here:
-
-* **statistics**: by McCandlish et al. (2018), the steps to reach a given
-  loss with a batch of B worker batches are S(B) = S_min (1 + B_noise / B),
-  with B_noise about the simple noise scale B_simple that
-  :meth:`DistributedOptimizer.noise_scale` measures. W workers make B = W.
-* **cost**: a step takes compute time (each worker's, independent of W at a
-  fixed batch per worker) plus an all-reduce of the gradient. The all-reduce
-  is modelled as latency + bytes / bandwidth, fitted to timings of all-reduces
-  of several sizes that the engine takes at this W.
-
-Their product, steps times seconds per step, is the time to the target for
-each W; this is the spirit of Pollux's goodput (Qiao et al., OSDI 2021),
-evaluated for W = 1, 2, 4, ..., 512. Beyond the workers measured here, the
-all-reduce is extrapolated as a ring all-reduce (2 (W - 1) messages, each
-worker sending 2 (W - 1) / W of the bytes) with the fitted latency and
-bandwidth, or with a network's, given as arguments. What the projection
-assumes is printed with it.
-
-The time a collective really costs inside a step (waiting for the slowest
-worker, the CPU the transport takes from the compute, bookkeeping) is more
-than an idle all-reduce of the same size. If the compute time of a step
-without communication is known (timed with one worker), :meth:`CollectiveCost.in_step`
-re-fits the latency to the measured step, keeping the fitted bandwidth; the
-benchmark ``benchmarks/validate_cost_model.py`` checks that this predicts the
-step time of other workloads.
+Steps times seconds per step, for W = 1, 2, 4, ..., 512, in the spirit of
+Pollux's goodput (Qiao et al., OSDI 2021). Steps: S(W) = S_min (1 + B_noise /
+W) (McCandlish et al., 2018), with B_noise the simple noise scale that
+:meth:`DistributedOptimizer.noise_scale` measures. Seconds: each worker's
+compute plus an all-reduce modelled as latency + bytes / bandwidth, fitted to
+all-reduces the engine times here, extrapolated beyond this W as a ring with
+the fitted or the given network's figures. :meth:`CollectiveCost.in_step`
+re-fits the latency to a measured step, for what a collective costs inside
+one. The user's guide is ``docs/guide/noise-scale.md``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """File work that every worker waits for, outside the engine's time-out, and
 whose failure every worker sees.
 
-A save or a load reads and writes files on some workers while the others wait.
-Waiting inside one collective would bound the file system by the engine's
-time-out (60 s by default): a large checkpoint on slow shared storage would
-fail the run at save time. Instead each worker does its part in a thread while
-every worker takes part in short rounds of :meth:`Engine.allgather_object`,
-each well inside the time-out, until every part has finished or
-:data:`IO_TIMEOUT` has passed. A worker that dies still fails the next round
-within the engine's time-out, so nothing waits longer than one of the two.
-
-The last round carries every worker's report, so a failure on any worker is
-known to all of them at once (:func:`failures`).
+Waiting for a save inside one collective would bound the file system by the
+engine's time-out (60 s by default). Instead each worker does its part in a
+thread while all take part in short rounds of
+:meth:`Engine.allgather_object`, each well inside the time-out, until every
+part has finished or :data:`IO_TIMEOUT` has passed; a dead worker still
+fails the next round within the engine's time-out. The last round carries
+every worker's report, so a failure anywhere is known to all at once
+(:func:`failures`).
 """
 
 from __future__ import annotations

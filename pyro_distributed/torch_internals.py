@@ -26,7 +26,7 @@ if torch.distributed.is_available():
     # destroy_process_group, with the group's threads, until the interpreter
     # finalises; a thread still releasing a finished collective's tensors then
     # takes the GIL and aborts the process ("terminate called without an active
-    # exception", seen after training had ended). Imported here, before this
+    # exception", after training has ended). Imported here, before this
     # library makes any group, its defaults hold None.
     import torch.distributed.nn.functional
 

@@ -1,22 +1,14 @@
 """What every checkpoint shares, whatever it holds: writing, reading, RNG states.
 
-Saving and loading are collectives, called on every worker:
-
-* :func:`commit` has every worker write its blocks of local parameters (if
-  any), then worker 0 alone writes the checkpoint: to a temporary file in the
-  same directory, flushed to disk, then renamed over the target. A crash
-  mid-write leaves the previous checkpoint as it was, and every worker learns
-  whether the write succeeded.
-* :func:`read` has worker 0 read and check the file and broadcast its bytes
-  to the others, so only worker 0 needs to see the file system (block files
-  aside), each worker holds the file about twice at most (its bytes and what
-  they decode to), and worker 0 decodes it once, as every worker does.
-
-Both do their file work outside the engine's time-out
-(:mod:`pyro_distributed.shared_io`), and the files are
-:mod:`pyro_distributed.safe_files` files: a header checked first, then data
-that loads with ``weights_only=True`` and :func:`allowed_globals`, unless the
-user passes ``trusted=True``.
+Saving and loading are collectives. :func:`commit` has every worker write its
+blocks of local parameters (:mod:`pyro_distributed.local.blocks`), then
+worker 0 alone writes the checkpoint, all or nothing, and every worker learns
+whether it succeeded. :func:`read` has worker 0 read and check the file and
+broadcast its bytes, so only worker 0 needs to see the file system (block
+files aside) and each worker holds the file about twice at most. File work
+runs outside the engine's time-out (:mod:`pyro_distributed.shared_io`), and
+the files are :mod:`pyro_distributed.safe_files` files, loaded with
+``weights_only=True`` and :func:`allowed_globals` unless ``trusted=True``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Data plates that know where their rows sit in the whole data set.
 
-The posterior of sharded data is the posterior of *all* of it only if each
-worker's plate says how large the whole data set is and which of its rows
-the worker holds: ``pyro.plate("data", len(x_mine))`` on a shard of half the
-data silently fits the posterior of half the data (widths about sqrt(2) too
-wide). This module remembers, for every tensor that :func:`~pyro_distributed.shard`
-(or the evaluation helpers) hand out, the global size and the global indices
-of its rows, and :class:`data_plate` turns that into the right plate.
-
-The record is kept beside the tensor, keyed by its identity and dropped when
-the tensor is freed; a slice or copy of a shard is a new tensor and has no
-record, so a plate over it is an ordinary plate.
+A plate over a shard must say how large the whole data set is and which rows
+the worker holds, or it fits the posterior of the shard alone
+(``pyro.plate("data", len(x_mine))`` on half the data: widths about sqrt(2)
+too wide). This module records, for every tensor :func:`~pyro_distributed.shard`
+(or the evaluation helpers) hand out, the global size and its rows' global
+indices, and :class:`data_plate` turns that into the right plate. The record
+is keyed by the tensor's identity and dropped when it is freed; a slice or
+copy of a shard has none, so a plate over it is an ordinary plate.
 """
 
 from __future__ import annotations

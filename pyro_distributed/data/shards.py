@@ -1,20 +1,12 @@
 """Each worker's share of a data set: indices, tensors, and a DataLoader sampler.
 
 Shards are strided (worker r takes positions r, r + W, ...) over one order
-shared by all workers. With n items on W workers, n % W items are left over,
-and there are three ways to deal with them:
-
-* ``uneven="split"`` keeps every item exactly once: the first n % W workers
-  get one item more. This is the default of :func:`shard`, whose shard is
-  used whole at every step; :func:`~pyro_distributed.data_plate` scales each
-  worker's plate so that the averaged gradient is still the full-data one.
-* ``uneven="drop"`` gives each worker n // W items and leaves out the rest
-  (with shuffling, different ones each epoch, so nothing is left out for good).
-* ``uneven="pad"`` gives each worker ceil(n / W) items, repeating the first
-  few of the order to fill the last shards.
-
-Mini-batch loops need shards of equal lengths, so that every worker takes
-the same number of steps per epoch: :class:`ShardSampler` and
+shared by all workers. The ``n % W`` items left over are ``"split"`` (the
+first workers get one more: the default of :func:`shard`, whose shard is
+used whole and whose plate :func:`~pyro_distributed.data_plate` scales),
+``"drop"``-ped (different ones each epoch when shuffled) or ``"pad"``-ded
+(the first few of the order repeated). Mini-batch loops need every worker to
+take the same number of steps an epoch, so :class:`ShardSampler` and
 :func:`shard_indices` default to ``"drop"``.
 """
 

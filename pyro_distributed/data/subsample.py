@@ -1,29 +1,18 @@
 """Sharded plate subsampling: ``pyro.plate(..., subsample_size=b)`` split across workers.
 
-Without help, every worker's ``pyro.plate(name, size, subsample_size=b)``
-draws the same b indices (or independent ones, if seeded apart), so averaging
-gradients gains little. Inside :func:`shard_subsamples`, each such plate takes
-one permutation of ``range(size)`` from the generator that all workers share,
-and worker r keeps its slice ``[r*b, (r+1)*b)``. Together the W workers see
-W*b distinct indices, a sample without replacement, fresh at every draw.
+Inside :func:`shard_subsamples`, each subsampled plate takes one permutation
+of ``range(size)`` from the generator all workers share, and worker r keeps
+its slice ``[r*b, (r+1)*b)``: together W*b distinct indices, fresh at every
+draw. It is a plain effect handler that fills in the indices only where
+nothing else did: a user's ``subsample=`` is left alone, and the model
+replays the guide's indices under the same name, as SVI always does. Pyro's
+``size / b`` scaling is unchanged, so the workers' average is unbiased.
 
-The plate's subsample site is an ordinary Pyro sample site, so this is a
-plain effect handler: it fills in the indices only where nothing else did. A
-user-supplied ``subsample=`` is left alone, and the model replays the indices
-the guide drew under the same name (as SVI always does), so plates entered in
-both guide and model agree. Pyro's scaling by size / b is unchanged, so the
-average of the workers' gradients is an unbiased estimate from W*b points.
-
-With ``by_block=True`` (implied by ``own_local_params=True``) a subsampled
-plate is instead cut into W contiguous blocks, and worker r draws its b
-indices uniformly from block r, fresh at every draw; ``subsample=`` indices
-must lie in block r. Plates that are not subsampled are left whole. Blocks
-may differ in length by one, so every site inside such a plate is scaled by
-``W * len(block) / size`` on top of Pyro's ``size / b``: each worker's loss
-then estimates its block's share times W, and the average over workers is
-unbiased for the whole plate. With ``own_local_params=True`` the local
-parameters of such plates hold block r's rows only
-(:mod:`pyro_distributed.local`).
+With ``by_block=True`` (implied by ``own_local_params=True``) worker r draws
+from its contiguous block r instead (:mod:`pyro_distributed.local`). Blocks
+may differ in length by one, so every site in such a plate is also scaled by
+``W * len(block) / size``, which keeps the average unbiased for the whole
+plate.
 """
 
 from __future__ import annotations
@@ -65,8 +54,8 @@ class shard_subsamples(Messenger):
         :func:`~pyro_distributed.gather_param` and
         :func:`~pyro_distributed.local_rows`.
     :param local_updates: how ``own_local_params`` steps the local parameters:
-        ``"dense"`` (default) every row of the block at every step, as
-        before; ``"sparse"`` only the rows selected since the last step, at
+        ``"dense"`` (default) every row of the block at every step;
+        ``"sparse"`` only the rows selected since the last step, at
         O(batch) cost instead of O(N/W), with the lazy semantics of
         ``torch.optim.SparseAdam`` (:mod:`pyro_distributed.local.sparse`,
         rules in :mod:`pyro_distributed.optim.sparse_step`). Both for the
@@ -200,7 +189,7 @@ class shard_subsamples(Messenger):
                     f"plate {name!r}: subsample_size {per_worker} exceeds worker "
                     f"{runtime.rank()}'s block of {len(block)} of its {size} rows"
                 )
-            if self.local_updates == "sparse":  # [sparse-local] O(batch), not O(N/W)
+            if self.local_updates == "sparse":  # O(batch), not O(N/W)
                 draw = sparse.draw_rows(len(block), per_worker, block_generator())
             else:
                 # cpu: the CPU block generator's draw, moved to the plate's device below.

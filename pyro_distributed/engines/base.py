@@ -1,24 +1,19 @@
 """What an engine must provide.
 
-An engine is the only place that talks to a transport (torch.distributed,
-Horovod, or nothing at all). It offers a handful of collectives on tensors and
-picklable objects and knows its own rank and world size. Everything that knows
-about Pyro (param-store names, optimizers, plates) lives above it, in
-:mod:`pyro_distributed.optim` and friends, so that adding an engine means adding
-one module beside this one and its line in the registry of
-:mod:`pyro_distributed.engines`. What differs between engines is said by the
-engine class itself: whether its launcher's environment is present
+An engine is the only place that talks to a transport: a handful of
+collectives on tensors and picklable objects, its rank and world size, and
+nothing of Pyro, so adding one is a module beside this one and its line in
+the registry of :mod:`pyro_distributed.engines`. The class says what differs
+between engines: whether its launcher's environment is present
 (:meth:`Engine.detected`, asked in the order of
-:attr:`Engine.detection_priority`), and whether that launcher starts every
-worker itself (:attr:`Engine.launches_own_workers`), which integrations such
-as the Lightning strategy ask instead of naming engines.
+:attr:`Engine.detection_priority`) and whether that launcher starts every
+worker (:attr:`Engine.launches_own_workers`), which integrations ask instead
+of naming engines.
 
-Collectives are blocking: when one returns, its result is in place on this
-worker. They must be called in the same order on every worker; the one
-exception, :meth:`Engine.allreduce_async_`, returns a :class:`Pending` to
-wait on, so that gradients can travel while backward is still running. An
-engine turns
-its transport's failures (a peer died, a time-out) into
+Collectives block until their result is in place and must be called in the
+same order on every worker; :meth:`Engine.allreduce_async_` alone returns a
+:class:`Pending`, so gradients can travel during backward. A transport's
+failures (a dead peer, a time-out) become
 :class:`~pyro_distributed.PyroDistributedError`, naming the collective.
 """
 

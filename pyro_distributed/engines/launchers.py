@@ -1,32 +1,21 @@
 """What the launcher that started this process says about the job.
 
-Every launcher tells its workers how many they are: ``torchrun`` in
-``WORLD_SIZE``, ``horovodrun`` in ``HOROVOD_SIZE``, Open MPI in
-``OMPI_COMM_WORLD_SIZE``, MPICH's Hydra and Slurm's PMI in ``PMI_SIZE``,
-MVAPICH2 in ``MV2_COMM_WORLD_SIZE`` and ``srun`` in ``SLURM_STEP_NUM_TASKS``.
-After an engine starts, :func:`check_world_size` compares the world it joined
-with that number, because the two disagree in ways that otherwise pass in
-silence: ``srun --mpi=none`` (Slurm's default) starts every task as an MPI
-singleton of one worker, and so does an mpi4py built for another MPI than the
-launcher's. Each singleton would train alone on all the data, call itself
-worker 0 and write its outputs.
+Every launcher names its world size in a variable of its own (``WORLD_SIZE``,
+``HOROVOD_SIZE``, ``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE``,
+``MV2_COMM_WORLD_SIZE``, ``SLURM_STEP_NUM_TASKS``). :func:`check_world_size`
+compares it with the world the engine joined, because ``srun --mpi=none``
+and an mpi4py built for another MPI both start every task as a singleton
+that would train alone on all the data and write as worker 0. Rules:
 
-Only the innermost launcher counts: ``srun`` may start one ``torchrun`` per
-node, each of which starts several workers, so ``WORLD_SIZE`` is asked before
-Slurm's variables. A launcher is recognised by its whole set of variables, so
-that a stray ``WORLD_SIZE`` left in a shell does not make a plain process
-look launched.
-
-A multi-task ``srun`` step without a PMI that MPI could use is joined through
-torch.distributed instead, from Slurm's own variables
-(:func:`torch_rendezvous_from_slurm`), so every ``srun`` line trains one model.
-
-Slurm's variables are also in every process started from a task, and one
-case is not a task at all: a script run from the shell of an interactive
-``srun -n 4 --pty bash``. Task 0 is that shell; the other three tasks are
-shells too, with no terminal, which end at once. A script run from the shell
-would wait for three workers that never come, so it runs alone, with an
-:class:`InteractiveStepWarning` (:func:`started_from_an_interactive_step`).
+* only the innermost launcher counts (``srun`` may start one ``torchrun`` a
+  node), so ``WORLD_SIZE`` is asked before Slurm's variables;
+* a launcher is recognised by its whole set of variables, so a stray
+  ``WORLD_SIZE`` in a shell does not make a plain process look launched;
+* a multi-task ``srun`` step without a PMI that MPI could use joins through
+  torch.distributed (:func:`torch_rendezvous_from_slurm`);
+* a script run from the shell of an interactive ``srun -n 4 --pty bash``
+  would wait for tasks that are shells, so it runs alone, with an
+  :class:`InteractiveStepWarning` (:func:`started_from_an_interactive_step`).
 """
 
 from __future__ import annotations

@@ -1,46 +1,27 @@
 """The MPI engine: collectives through mpi4py, under ``mpirun``, ``mpiexec`` or ``srun``.
 
-mpi4py is optional and imported only when this engine starts; detection
-(:meth:`MPIEngine.detected`) reads the launcher's environment only. On one
-machine MPI moves data through shared memory, which makes a small all-reduce
-about a hundred times cheaper than gloo's (``benchmarks/README.md``).
+mpi4py is imported only when this engine starts; detection
+(:meth:`MPIEngine.detected`) reads the launcher's environment only. What a
+user sees when a worker fails is ``docs/guide/faults.md``; the costs are in
+``benchmarks/README.md``. The rules the code keeps:
 
-Design:
-
-* **Zero copy.** A contiguous CPU tensor is handed to MPI by address and
-  length, so MPI reads and writes the tensor's own memory
-  (:mod:`~pyro_distributed.engines.mpi_buffers`, which also stages CUDA
-  tensors through the host where the MPI library cannot take them). float16
-  and bfloat16, which MPI cannot add, are summed in float32 and rounded back
-  once.
-* **Bounded waits.** MPI itself waits forever for a peer that hangs or dies.
-  Every collective here is non-blocking (``Iallreduce``, ``Ibcast``,
-  ``Iallgatherv``, ``Ibarrier``, ``Idup``) and waited for by testing it
-  until a deadline: a peer on this machine whose process has exited is named
-  within about a second (where the launcher leaves the survivors running;
-  MPICH's ``mpiexec`` stops the job itself and names the dead PID), and
-  anything else raises :class:`~pyro_distributed.PyroDistributedError` after
-  the time-out, naming the collective and, where a worker on another host
-  has exited or cannot be reached, that worker and its host (each worker
-  listens for probes on every address of its host, since MPI does not say
-  which one reaches it; :mod:`~pyro_distributed.engines.probes`). The engine
-  is then broken (a started collective can never be cancelled), so
-  :meth:`MPIEngine.shutdown`, which also runs at exit, ends
-  the whole job with ``MPI_Abort``: ``mpirun`` exits non-zero instead of
-  hanging in a peer's collective or in ``MPI_Finalize``. A script that dies
-  of an uncaught exception aborts the job the same way. Where the launcher
-  cannot answer the abort (a host cut off), the worker ends itself 5 s later.
-* **Polling.** A waiting worker tests its request in a loop, as MPI's own
-  blocking calls poll: for the first 0.2 ms nothing but tests (the clock, the
-  time-out and the peers are looked at every 16th), then yielding the core
-  at each test. On cores of its own (how MPI jobs run) that is the fastest
-  way to wait; on an oversubscribed machine it takes CPU from the other
-  processes. MPI cannot bound a blocking wait, nor (in MPICH) cancel a
-  started collective, so a thread watching a blocking ``Wait`` could only
-  abort the job at the time-out, never raise to the waiting worker.
-* **Channels.** Collectives pair up in the order they are started on one
-  communicator. :meth:`MPIEngine.open_channel` duplicates the communicator,
-  so collectives started from backward hooks never pair with other ones.
+* **Zero copy.** MPI reads and writes a tensor's own memory
+  (:mod:`~pyro_distributed.engines.mpi_buffers`); float16 and bfloat16,
+  which MPI cannot add, are summed in float32 and rounded back once.
+* **Bounded waits.** MPI waits forever for a dead peer, so every collective
+  is non-blocking and tested until a deadline, looking for exited peers on
+  this host and probing those on others
+  (:mod:`~pyro_distributed.engines.probes`). A started collective can never
+  be cancelled, so after a failure the engine is broken and
+  :meth:`MPIEngine.shutdown` (also at exit) ends the whole job with
+  ``MPI_Abort``; where nothing answers the abort, the worker ends itself 5 s
+  later. A thread around a blocking ``Wait`` could only abort, never raise.
+* **Polling.** A waiting worker spins on its request, then yields the core at
+  each test, as MPI's blocking calls do: fastest on cores of its own, costly
+  on an oversubscribed machine.
+* **Channels.** Collectives pair up in the order they start on one
+  communicator; :meth:`MPIEngine.open_channel` duplicates it, so collectives
+  started from backward hooks never pair with other ones.
 """
 
 from __future__ import annotations
@@ -85,9 +66,8 @@ _LIVENESS_INTERVAL = 0.5
 #: between tests only after a second. MPI moves a large message in chunks,
 #: each when both sides test: sleeping earlier stretches every transfer.
 _SPIN_S, _YIELD_S, _SLEEP_S = 2e-4, 1.0, 1e-3
-#: While spinning, tests between two readings of the clock. A test that finds
-#: the request pending costs 2-3 us; reading the clock and checking the
-#: deadline at every one made an iteration 2.5x a bare test, now 1.5x
+#: While spinning, tests between two readings of the clock: a pending test is
+#: cheaper than reading the clock and checking the deadline
 #: (``benchmarks/README.md``, "Where the mpi engine's wait goes").
 _TESTS_PER_LOOK = 16
 

@@ -2,12 +2,11 @@
 
 The MPI engine hands MPI a tensor's address and length, so MPI reads and
 writes the tensor itself: nothing is copied and no NumPy or DLPack object is
-made per call (DLPack cost 3-15 us a call, ``benchmarks/README.md``). A
-tensor that is not contiguous goes through a dense copy, written back after
-the collective.
+made per call. A tensor that is not contiguous goes through a dense copy,
+written back after the collective.
 
-CUDA tensors (untested here: no GPU on the development machines) go to MPI as
-they are when the library reports CUDA among its memory kinds (MPI 4.1's
+CUDA tensors (untested: the tests have no GPU) go to MPI as they are when
+the library reports CUDA among its memory kinds (MPI 4.1's
 ``mpi_memory_alloc_kinds``); otherwise they are staged through pinned host
 memory, with one warning per engine. Any other device is refused, naming it.
 """

@@ -1,25 +1,17 @@
 """Which address gloo gives its peers, chosen so that other hosts can reach it.
 
-Without ``GLOO_SOCKET_IFNAME``, gloo advertises the address that this host's
-own name resolves to. On many cluster nodes (Debian's and Ubuntu's default
-``/etc/hosts``) that is a loopback address, ``127.0.1.1`` or ``127.0.0.1``:
-a worker on another host then dials its own loopback, gets "connection
-refused", and the peer it was meant to reach waits in gloo's connect with no
-bound of ours. Two things here prevent that:
-
-* :func:`choose_gloo_interface`: when the variable is unset, the host's name
-  resolves to loopback and ``MASTER_ADDR`` is on another host, gloo is told to
-  use the interface through which this host reaches ``MASTER_ADDR`` (the one
-  the kernel's routing table picks), which every host of the job can reach.
-* :func:`check_peer_addresses`: before any gloo connection, every worker
-  publishes in the rendezvous store the address gloo will advertise, reads
-  everyone's, and raises on every worker alike when a worker on another host
-  advertises loopback, naming the hosts, interfaces and addresses, and the
-  variable to set. The store is already reachable (it is how the workers
-  found each other), and every read is bounded by the engine's time-out.
-
-NCCL picks its own interface and never a loopback one while another exists
-(``NCCL_SOCKET_IFNAME`` overrides it), so nothing here touches NCCL.
+Without ``GLOO_SOCKET_IFNAME``, gloo advertises the address the host's name
+resolves to, which on many cluster nodes (Debian's default ``/etc/hosts``)
+is loopback: a peer on another host dials its own loopback, and the worker it
+meant to reach waits in gloo's connect with no bound of ours. So
+:func:`choose_gloo_interface` tells gloo to use the interface the kernel
+routes to ``MASTER_ADDR`` (when the variable is unset, the name resolves to
+loopback and ``MASTER_ADDR`` is another host), and
+:func:`check_peer_addresses` has every worker publish its advertised address
+in the rendezvous store before any gloo connection and raise alike, naming
+the hosts and the variable to set, when one on another host is loopback.
+NCCL never picks a loopback interface while another exists, so nothing here
+touches NCCL.
 """
 
 from __future__ import annotations

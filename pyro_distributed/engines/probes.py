@@ -1,31 +1,20 @@
 """Whether a worker on another host still lives, asked without its cooperation.
 
-A collective that fails across hosts says little: a dropped connection names
-an address, a time-out names nothing, and the peer that dropped may itself be
-a survivor that gave up first. So each worker of an engine that supports it
-keeps a listening socket open for as long as its process lives (the kernel
-completes a probe's connection without the process doing anything, so a busy
-or hung worker still answers). On the failure path, a survivor probes every
-peer on another host, all at once, for at most :data:`PROBE_TIMEOUT_S`:
+A failed collective across hosts names little, so each worker keeps a
+listening socket for as long as its process lives: the kernel completes a
+probe's connection even while the worker is busy or hung. On the failure
+path a survivor probes every peer on another host at once, for at most
+:data:`PROBE_TIMEOUT_S`: accepted means the process lives, refused means the
+host is up but the process is gone, no answer means the host is down or cut
+off. Two rules keep the answers true:
 
-* the connection is accepted: the worker's process lives;
-* it is refused: the host is up but the worker's process is gone;
-* no answer: the host is down or cut off from this one.
-
-The kernel completes a connection only while the listening socket's accept
-queue has room, so a thread of the worker's (:class:`ProbeListener`) accepts
-and closes every connection: otherwise a port scan, or many survivors probing
-one peer, would fill the queue, and the next probe would go unanswered and
-report a live worker as cut off. A worker whose threads cannot run (a call
-into C that holds the GIL) still answers from the queue while it has room.
-
-A worker may publish several addresses (an engine that does not know which of
-its interfaces the others reach, the mpi engine). It listens on each of them,
-on one port, and on nothing else: a socket on the wildcard address would also
-answer on interfaces it never published. A survivor leaves out those it holds
-itself (a bridge address every host has, say) and probes the rest together:
-one that accepts means the worker lives, else one that refuses means its
-process is gone, else its host cannot be reached.
+* a thread (:class:`ProbeListener`) accepts and closes every connection, so
+  a port scan or many survivors cannot fill the accept queue and make a
+  live worker look cut off;
+* a worker listens on each address it published, on one port, never on the
+  wildcard address (which would answer on interfaces it never published);
+  a survivor skips the addresses it holds itself and reads a peer's
+  addresses together: any accepts, it lives; else any refuses, it is gone.
 """
 
 from __future__ import annotations

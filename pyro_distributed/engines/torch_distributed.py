@@ -1,17 +1,12 @@
 """The torch.distributed engine: gloo for CPU tensors, NCCL for CUDA tensors.
 
-It joins the process group that ``torchrun`` describes in the environment
-(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), or reuses a group
-the user already initialised, in which case it also leaves that group alone at
-shutdown. Groups it creates itself get the bounded time-out the user asked for,
-instead of torch's default of 30 minutes.
-
-Workers that share a GPU cannot use NCCL, which refuses two ranks on one
-device: the engine learns every worker's GPU at start and then sends CUDA
-tensors over gloo, with one warning (:func:`pyro_distributed.devices.cuda_transport`).
-
-Reductions of several tensors are issued asynchronously and then awaited, so
-the transport can pipeline them; every wait is bounded by the time-out.
+It joins the process group ``torchrun`` describes in the environment, or
+reuses (and at shutdown leaves alone) a group the user already made. Groups
+it makes get the user's bounded time-out, not torch's 30 minutes. Workers
+that share a GPU send CUDA tensors over gloo, as NCCL refuses two ranks on
+one device (:func:`pyro_distributed.devices.cuda_transport`). Reductions of
+several tensors are issued asynchronously and then awaited, so the transport
+can pipeline them; every wait is bounded by the time-out.
 """
 
 from __future__ import annotations

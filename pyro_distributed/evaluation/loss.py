@@ -1,22 +1,15 @@
 """A loss over a whole data set, split across workers, each point evaluated once.
 
 :func:`evaluate_loss` gives worker r the r-th contiguous block of the rows
-(blocks differ in length by at most one, so nothing is padded or dropped),
-evaluates the loss batch by batch, and adds the workers' parts in one
-collective, so every worker returns the same global value.
-
-Adding batch losses is only right if each batch's plate is scaled the right
-way, so a probe watches the plates that the model and guide enter:
-
-* a plate sized by the whole data set over the batch's rows (what
-  :func:`~pyro_distributed.data_plate` gives inside :func:`evaluate_loss`, or
-  ``pyro.plate(name, size, subsample=indices)``) makes each batch's loss an
-  estimate of the whole loss, global latent variables counted once: batch
-  losses are averaged, weighted by batch length;
-* a plate sized by the batch (``pyro.plate(name, len(x))``) makes each batch's
-  loss its own share: batch losses are added. This is exact only when every
-  latent variable lies inside that plate, so a latent variable outside it is
-  refused with a :class:`ValueError` naming it.
+(nothing padded or dropped), evaluates it batch by batch and adds the
+workers' parts in one collective. Adding batch losses is right only if each
+batch's plate is scaled the right way, so a probe watches the plates the
+model and guide enter: under a plate sized by the whole data set (what
+:func:`~pyro_distributed.data_plate` gives here, or ``subsample=``) each
+batch's loss estimates the whole, and batch losses are averaged, weighted by
+length; under a plate sized by the batch, each is its own share, and they
+are added, which is exact only when every latent variable is inside that
+plate, so one outside it is refused by name.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Posterior predictive sampling spread over the workers, gathered in order.
 
-:class:`Predictive` takes ``pyro.infer.Predictive``'s arguments and returns
-what it returns, with the work split one of two ways:
-
-* ``split="samples"`` (default): each worker draws a contiguous share of the
-  ``num_samples`` draws (and takes the matching rows of
-  ``posterior_samples``); the shares are stacked along dim 0 in order.
-  Without a ``seed`` each worker seeds its draws from its own generator
-  and its rank, so the workers' draws are independent even if their
-  generators were seeded alike, and a run repeats at fixed seeds and world
-  size.
-  With a ``seed``, draws are made in chunks of fixed size, each from a
-  generator seeded by ``(seed, chunk)``, and workers take whole chunks: the
-  result is then bitwise the same at every world size, one process included.
-* ``split="data"``: each worker runs every draw on its own contiguous block
-  of the data points (the positional arguments, split along dim 0); the
-  blocks are joined along each site's data-plate axis, found by watching the
-  plates the model enters. Sites outside the data plate must come out
-  identical on every worker (as they do when ``posterior_samples`` supply
-  them): that is checked, and a difference is an error naming the site.
-
+:class:`Predictive` (its docstring has the arguments) splits the draws or the
+data. ``split="samples"``: workers take contiguous shares of the draws; with
+a ``seed`` the draws come in fixed-size chunks, each from a generator seeded
+by ``(seed, chunk)``, and workers take whole chunks, which is what makes the
+result bitwise the same at every world size. ``split="data"``: each worker
+runs every draw on its block of the data, and the blocks are joined along
+each site's data-plate axis, found by watching the plates the model enters;
+sites outside that plate are checked to be identical on every worker.
 Results are assembled by :func:`~pyro_distributed.gather.gather_pieces`,
 which streams, so the receiving worker holds the result and one piece.
 """

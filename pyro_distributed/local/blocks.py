@@ -1,41 +1,26 @@
 """Checkpoint files for local parameters: each worker writes its own block.
 
-Local parameters (:mod:`pyro_distributed.local`) never exist whole on
-any worker, so :func:`~pyro_distributed.save_checkpoint` cannot have worker 0
-write them. Instead every worker writes its block of every local parameter,
-with the block's optimizer state, to a file of its own beside worker 0's
-checkpoint, ``<checkpoint>.<token>.block<r>of<W>``. The token is new at every
-save, so a save never overwrites the files of the previous one:
+Local parameters never exist whole on any worker, so every worker writes its
+block of each, with the block's optimizer state, beside worker 0's
+checkpoint, as ``<checkpoint>.<token>.block<r>of<W>``. The token is new at
+every save, so the order is the commit: (1) every worker writes its block
+file (temporary name, flushed, renamed); (2) if all succeeded, worker 0
+renames the checkpoint, which names the token, over the old one; (3) older
+tokens' files are deleted. A crash before (2) leaves the previous checkpoint
+and its blocks untouched; a failed save removes the blocks it wrote.
 
-1. every worker writes its block file (to a temporary name, flushed, renamed);
-2. if all succeeded, worker 0 writes the checkpoint itself, which names the
-   token, by renaming over the old one: that rename is the commit;
-3. then the files of older tokens are deleted.
+Block files are :mod:`pyro_distributed.safe_files` files whose header names
+the token, the worker and the world size, so a moved, mixed or damaged block
+is refused by name; a worker that cannot read one makes every worker raise
+(:mod:`pyro_distributed.shared_io`). Loading re-partitions: worker r of W'
+takes its rows from whichever saved blocks overlap them, one file at a time,
+and slices the optimizer state alike; at the same W it reads back exactly its
+own block, bitwise. The directory must be one every worker sees.
 
-A crash before step 2 completes leaves the previous checkpoint, and the block
-files it names, untouched; a failed save removes the blocks it wrote.
-
-Block files are :mod:`pyro_distributed.safe_files` files: data only, with
-a header that names the save (its token), the worker and the world size, so a
-block moved, mixed in from another save or from another world size is refused
-by name, as is a truncated or damaged one. Every worker reads its blocks at
-once, outside the engine's time-out, and a worker that cannot read one makes
-every worker raise (:mod:`pyro_distributed.shared_io`).
-
-Loading re-partitions: worker r of W' takes rows ``block_range(N)`` under W'
-from whichever of the W saved blocks overlap them, reading one saved file at a
-time, and slices the optimizer state (every tensor laid out like the
-parameter) the same way. At the same W each worker reads back exactly its own
-block, bitwise.
-
-The checkpoint's directory must be one that every worker sees (on one
-machine it is; across machines, a shared file system).
-
-``torch.distributed.checkpoint`` was considered and not used: it needs a
-torch.distributed process group (this library also runs on Horovod), its
-resharding expects DTensor's ``torch.chunk`` partition rather than the
-blocks that ownership uses, and saving to the same directory overwrites the
-previous checkpoint's files in place, which breaks all-or-nothing saves.
+``torch.distributed.checkpoint`` does not fit: it needs a torch.distributed
+process group (Horovod has none), reshards by ``torch.chunk`` rather than
+by these blocks, and overwrites files in place, which breaks all-or-nothing
+saves.
 """
 
 from __future__ import annotations

@@ -1,88 +1,38 @@
-"""Sparse local steps: owned local parameters cost O(batch) per step, not O(N/W).
+"""The rows of a sparse local step: which rows a step read, and their gradient.
 
-Under ``pd.shard_subsamples(own_local_params=True)`` worker r holds block r of
-every local parameter (:mod:`pyro_distributed.local`), but a dense step
-still reads and writes all N/W rows of the block: a dense gradient that is
-zero outside the batch, the optimizer's moment decay on every row, the finite
-check over all of it. With ``local_updates="sparse"`` only the rows selected
-since the last optimizer step are touched, and every cost of a local
-parameter is O(rows selected):
-
-* **Draw.** :func:`draw_rows` picks each step's rows of the block in
-  O(batch) (the dense mode permutes the whole block to pick them).
-* **Forward.** :func:`select_rows` hands the model and guide the constrained
-  value of a fresh small leaf tensor, ``leaf = unconstrained[rows]``, and
-  remembers ``(rows, leaf)``. The block tensor (in the param store, or a
-  PyroModule's ``nn.Parameter`` in ``module_local_params`` mode) is not in
-  the autograd graph, so backward gives it no gradient (its ``.grad`` stays
-  ``None``) and writes the batch's gradient into the leaf instead.
-* **Gradient.** The optimizer still gets the block tensor: SVI finds it
-  through the value (which carries it, as Pyro's own plates arrange), a torch
-  optimizer holds it in its param groups. :func:`take_gradients` turns the
-  leaves recorded for it into one :class:`RowGradients`: the distinct rows,
-  sorted, and their summed gradient. A row selected twice (several
-  particles, a ``subsample=`` with repeats, two reads of the parameter in
-  one step) gets the sum of its gradients, as the dense gradient would hold.
-* **Step.** :mod:`pyro_distributed.optim.sparse_step` scales the rows by
-  1/W, checks them for NaN/Inf and applies the lazy update to those rows of
-  the parameter and of its optimizer state, which keeps the dense format
-  (full-block ``exp_avg`` and ``exp_avg_sq``, a ``step`` count), so
-  checkpoints, elastic re-partitioning, ``get_state``/``set_state``,
-  ``state_dict``, :func:`~pyro_distributed.gather_param` and
-  :func:`~pyro_distributed.local_rows` work unchanged. Both front ends do
-  this: ``DistributedOptimizer`` over a Pyro optimizer (the SVI path) and
-  over a torch optimizer (the torch-native path).
-
-Global parameters are stepped as always. The default, ``local_updates="dense"``,
-is exactly the behaviour without this module. A run may switch between the
-two from one step to the next; the optimizer state carries over.
-
-Example, the SVI path::
-
-    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}))
-    svi = SVI(model, guide, optim, Trace_ELBO())
-    for step in range(num_steps):
-        with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
-            svi.step(data)
-
-The torch-native path (an ELBO module, ``module_local_params``)::
-
-    pyro.settings.set(module_local_params=True)
-    guide = AutoNormal(model, create_plates=plates)
-    loss_fn = Trace_ELBO()(model, guide)
-    with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
-        loss_fn(data)  # the warm-up call: creates the parameters, cuts the blocks
-    optimizer = pd.DistributedTorchOptimizer(torch.optim.Adam(loss_fn.parameters(), lr=0.01))
-    for step in range(num_steps):
-        optimizer.zero_grad()
-        with pd.shard_subsamples(own_local_params=True, local_updates="sparse"):
-            loss_fn(data).backward()
-        optimizer.step()
+Under ``pd.shard_subsamples(own_local_params=True, local_updates="sparse")``
+an owned local parameter costs O(rows selected) a step, not O(N/W).
+:func:`draw_rows` draws a step's rows of the block in O(batch);
+:func:`select_rows` hands the model and guide a fresh leaf,
+``unconstrained[rows]``, and records ``(rows, leaf)``, so backward fills the
+leaf and the block tensor's ``.grad`` stays ``None``; :func:`take_gradients`
+turns a parameter's recorded leaves into one :class:`RowGradients` (distinct
+rows, sorted; a row read twice gets the sum, as the dense gradient would).
+The lazy step on those rows, and its rules per optimizer, is
+:mod:`pyro_distributed.optim.sparse_step`; the user's guide is
+``docs/guide/local-parameters.md``. ``local_updates="dense"`` (the default)
+never enters this module.
 
 .. warning::
     The sparse step is *lazy*, like ``torch.optim.SparseAdam``: a row that
-    is not in a step's batch keeps its value and its optimizer state (no
-    moment decay, no momentum, no weight decay), so the result differs from
-    the dense step with Adam or momentum, and is meant to. See
-    :mod:`pyro_distributed.optim.sparse_step` for each optimizer's rule and the
-    optimizers and options it refuses.
+    is not in a step's batch keeps its value and its optimizer state, so
+    the result differs from the dense step with Adam or momentum. See
+    :mod:`pyro_distributed.optim.sparse_step` for each optimizer's rule and
+    the optimizers and options it refuses.
 
 .. warning::
     Rows are recorded when a local parameter is read with gradients enabled,
     and consumed by the next optimizer step. Read local parameters for a
-    step only inside ``svi.step`` (or between the torch optimizer's steps);
-    a gradient computed by your own ``backward()`` on them reaches the leaves
-    and is stepped at the next optimizer call. The torch optimizer's
-    ``zero_grad()`` drops the leaves' gradients as it drops ``.grad`` (the
-    reads stay recorded, so a loss computed before ``zero_grad()`` and
-    backpropagated after it is stepped).
+    step only inside ``svi.step`` (or between the torch optimizer's steps).
+    ``zero_grad()`` drops the leaves' gradients but not the reads, so a loss
+    computed before it and backpropagated after it is stepped.
 
 .. warning::
     A sparse local parameter's gradient is in its leaves, not in ``.grad``:
     code that reads or changes ``.grad`` between backward and step (your own
-    ``clip_grad_norm_(loss_fn.parameters(), ...)``, a gradient-norm log)
-    does not see it. Clipping inside the optimizer (Pyro's ``clip_args``,
-    ClippedAdam's ``clip_norm``) does.
+    ``clip_grad_norm_``, a gradient-norm log) does not see it. Clipping
+    inside the optimizer (Pyro's ``clip_args``, ClippedAdam's ``clip_norm``)
+    does.
 """
 
 from __future__ import annotations
@@ -145,15 +95,15 @@ PERMUTE_BELOW = 64
 def draw_rows(length: int, count: int, generator: torch.Generator) -> Tensor:
     """``count`` distinct rows of ``range(length)``, uniformly at random, in O(count).
 
-    The dense mode draws ``torch.randperm(length)[:count]``, O(length): at
-    N = 10^6 and W = 2 that permutation of 500,000 rows alone costs more than
-    the rest of a sparse step. Here rows are drawn with replacement and a row
-    seen before is drawn again, in rounds, keeping first sightings in order:
-    the same as drawing one row at a time from those not yet drawn, so every
-    ordered choice of ``count`` distinct rows is equally likely. The expected
-    work is O(count) while ``count`` is a small fraction of ``length``; for
-    a large fraction (``length < PERMUTE_BELOW * count``) the permutation is
-    cheap, and used, so that a batch of a whole block draws as the dense mode does.
+    The dense mode draws ``torch.randperm(length)[:count]``, O(length), which
+    on a large block costs more than the rest of a sparse step. Here rows are
+    drawn with replacement and a row seen before is drawn again, in rounds,
+    keeping first sightings in order: the same as drawing one row at a time
+    from those not yet drawn, so every ordered choice of ``count`` distinct
+    rows is equally likely. The expected work is O(count) while ``count`` is a
+    small fraction of ``length``; for a large fraction (``length <
+    PERMUTE_BELOW * count``) the permutation is cheap, and used, so that a
+    batch of a whole block draws as the dense mode does.
     """
     device = generator.device  # the generator's: the CPU one for the library's own draws
     if length < PERMUTE_BELOW * count:
@@ -292,7 +242,7 @@ def take_gradients(params: list[Tensor]) -> tuple[list[Tensor], list[RowGradient
 
 def clear_gradients(tensors: Iterable[Tensor]) -> None:
     """Drop the gradients of the leaves handed out for ``tensors``, as ``zero_grad``
-    drops a dense ``.grad``: a backward pass before it no longer counts.
+    drops a dense ``.grad``: a backward pass before it does not count.
 
     The reads themselves stay recorded, so that a loss computed before
     ``zero_grad()`` and backpropagated after it is stepped, as it is dense.

@@ -1,21 +1,15 @@
 """What a launch's workers trained, carried into the launching process and into the next launch.
 
-Forked workers train in their own memory: the kernel's param store, guide and
-optimizer would keep their untrained values. So when the function returns,
-the workers save what they trained with the library's own checkpoints, into a
-directory of the launch: one checkpoint per :class:`DistributedOptimizer` the
-function made, in the order it made them (the param store, the optimizer's
-state, every worker's RNG state, and each worker's block of every owned local
-parameter), or, with none, the param store alone. The launching process then
-loads the first into its own param store at one worker, which joins the
-blocks in order (:mod:`pyro_distributed.local.blocks` re-partitions them), and
-copies values into the tensors it already has, so that a guide or a
-``PyroModule`` made in the kernel holds them too.
-
-A launch given ``resume=`` loads the k-th checkpoint into the k-th optimizer
-its function makes, as it is made: the values, the optimizer's state, the
-step count and, at the same number of workers, every worker's RNG state. Two
-launches of n steps then end bitwise where one launch of 2n steps does.
+Forked workers train in their own memory, so when the function returns they
+save what they trained with the library's own checkpoints, one per
+:class:`DistributedOptimizer` the function made, in the order made (or the
+param store alone, with none). The launching process loads the first at one
+worker, joining the local blocks in order
+(:mod:`pyro_distributed.local.blocks`), and copies values into the tensors it
+already has, so a guide or ``PyroModule`` made in the kernel holds them too.
+``resume=`` loads the k-th checkpoint into the k-th optimizer the function
+makes, as it is made, so two launches of n steps end bitwise where one of 2n
+does.
 """
 
 from __future__ import annotations
