@@ -30,6 +30,7 @@ from .engines import Engine
 from .errors import PyroDistributedError
 from .evaluation.loss import evaluate_loss
 from .evaluation.predictive import Predictive
+from .exchange import CommHook, GradBucket, LowRankHook, Reducing
 from .local.rows import gather_param, local_rows
 from .optim.consistency import assert_in_sync
 from .optim.distributed import DistributedOptimizer
@@ -56,14 +57,18 @@ from .spawn import Launched, launch, progress
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommHook",
     "DistributedOptimizer",
     "DistributedTorchOptimizer",
     "Engine",
+    "GradBucket",
     "HorovodOptimizer",
     "Launched",
+    "LowRankHook",
     "NoiseScale",
     "Predictive",
     "PyroDistributedError",
+    "Reducing",
     "ShardSampler",
     "all_mean",
     "all_workers",

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..checks import check_bool
 from ..engines import Engine
-from ..exchange import Compression
+from ..exchange import CommHook, Compression, GradBucket, Reducing
 from ..local.sparse import RowGradients
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .plan import StepPlan
@@ -82,6 +82,10 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         :mod:`pyro_distributed.optim.noise_scale`); needs two or more workers, else
         ``ValueError`` at the first step. The norms ride in the gradient buckets (results
         are unchanged), so pass the same value on every worker.
+    :param comm_hook: how each bucket of gradients travels, in place of the
+        exact average (:mod:`pyro_distributed.exchange.hooks`): for example
+        :class:`~pyro_distributed.LowRankHook`, or a function ``(bucket,
+        engine) -> Reducing``. Not with ``compression``.
 
     Example::
 
@@ -165,11 +169,12 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         multi_tensor: bool | None = None,
         overlap: bool = True,
         noise_scale: bool | float = False,
+        comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None = None,
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
         options = StepOptions.of(
-            bucket_cap_mb, nonfinite, check_every, compression, overlap, noise_scale
+            bucket_cap_mb, nonfinite, check_every, compression, overlap, noise_scale, comm_hook
         )
         check_bool("multi_tensor", multi_tensor, optional=True)
         self._configure(pyro_optim, engine, options, multi_tensor)

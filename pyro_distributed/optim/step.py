@@ -42,7 +42,17 @@ from typing import Any, ClassVar, Literal, Protocol
 from torch import Tensor
 
 from ..engines import Engine
-from ..exchange import Compression, Exchanged, GradientSync, Reduction, compressor
+from ..exchange import (
+    CommHook,
+    Compression,
+    Exchanged,
+    GradBucket,
+    GradientSync,
+    Reducing,
+    Reduction,
+    as_hook,
+    compressor,
+)
 from ..local.gradients import LocalGradients, nonfinite_rows, scale_row_grads, split_local
 from ..local.registry import generation
 from ..local.sparse import RowGradients
@@ -75,11 +85,18 @@ class StepOptions:
         compression: Compression,
         overlap: bool,
         noise_scale: bool | float,
+        comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None = None,
     ) -> StepOptions:
         """The options, or ``TypeError``/``ValueError`` naming a wrong one."""
         check_options(bucket_cap_mb, nonfinite, check_every, overlap)
         NoiseScaleEstimator.smoothing_of(noise_scale)  # a wrong value fails here, not at step 1
-        reduction = Reduction(compression=compressor(compression))
+        hook = None if comm_hook is None else as_hook(comm_hook)
+        if hook is not None and compression != "none":
+            raise ValueError(
+                f"pass compression={compression!r} or comm_hook, not both: "
+                f"a hook decides how gradients travel"
+            )
+        reduction = Reduction(compression=compressor(compression), hook=hook)
         return cls(bucket_cap_mb, reduction, nonfinite, check_every, overlap, noise_scale)
 
 

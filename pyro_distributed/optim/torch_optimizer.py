@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from ..engines import Engine
-from ..exchange import Compression
+from ..exchange import CommHook, Compression, GradBucket, Reducing
 from ..local.gradients import split_local
 from ..local.sparse import RowGradients
 from ..torch_internals import init_optimizer_hooks
@@ -121,6 +121,7 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         compression: Compression = "none",
         overlap: bool = True,
         noise_scale: bool | float = False,
+        comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None = None,
     ) -> None:
         # No super().__init__(): the wrapped optimizer's groups, state and
         # defaults are shared below, so that everything acting on this object
@@ -134,7 +135,7 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
                 "optimizer is already a DistributedTorchOptimizer; wrap the plain optimizer once"
             )
         options = StepOptions.of(
-            bucket_cap_mb, nonfinite, check_every, compression, overlap, noise_scale
+            bucket_cap_mb, nonfinite, check_every, compression, overlap, noise_scale, comm_hook
         )
         self.wrapped = optimizer
         self._synchronized: Stepped | None = None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pyro_distributed as pd
-from pyro_distributed.exchange import GradBucket, LowRankHook
+from pyro_distributed.exchange import GradBucket, LowRankHook, Waiting
 
 from ..harness import run_workers
 
@@ -142,3 +142,77 @@ def test_warmup_steps_are_exact_and_vectors_always_are() -> None:
 def test_bad_arguments_are_refused(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LowRankHook(**kwargs)  # type: ignore[arg-type]
+
+
+def svi_with_hook(hook_name: str, steps: int) -> dict[str, object]:
+    """``steps`` SVI steps of a small regression with an MLP weight, through
+    ``DistributedOptimizer(comm_hook=...)``; the parameters and the losses."""
+    import pyro
+    import pyro.distributions as dist
+    from pyro.infer import SVI, Trace_ELBO
+
+    def sum_then_halve(bucket: GradBucket, engine: pd.Engine) -> pd.Reducing:
+        pending = engine.allreduce_async_(bucket.buffer, "sum", bucket.name)
+
+        def mean() -> torch.Tensor:
+            bucket.gradients().div_(bucket.world_size)
+            return bucket.buffer
+
+        return Waiting(pending, mean)
+
+    hooks = {
+        "none": None,
+        "low_rank": LowRankHook(rank=2, warmup_steps=3),
+        "function": sum_then_halve,
+    }
+    generator = torch.Generator().manual_seed(pd.rank())
+    x = torch.randn(64, 20, generator=generator)
+    y = torch.tanh(x[:, :3].sum(-1)) + 0.1 * torch.randn(64, generator=generator)
+
+    def model(x: torch.Tensor, y: torch.Tensor) -> None:
+        w1 = pyro.param(
+            "w1", lambda: 0.1 * torch.randn(20, 16, generator=torch.Generator().manual_seed(0))
+        )
+        w2 = pyro.param("w2", lambda: torch.zeros(16))
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(torch.tanh(x @ w1) @ w2, 0.1), obs=y)
+
+    def guide(x: torch.Tensor, y: torch.Tensor) -> None:
+        pass
+
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}), comm_hook=hooks[hook_name])
+    svi = SVI(model, guide, optim, Trace_ELBO())
+    losses = [svi.step(x, y) for _ in range(steps)]
+    store = pyro.get_param_store()
+    return {
+        "params": {name: store[name].detach().clone() for name in ("w1", "w2")},
+        "losses": losses,
+    }
+
+
+def test_a_function_hook_that_sums_and_halves_is_the_default_average_at_two_workers() -> None:
+    default = run_workers(svi_with_hook, "none", 8)
+    function = run_workers(svi_with_hook, "function", 8)
+    for plain, hooked in zip(default, function, strict=True):
+        for name in ("w1", "w2"):
+            assert torch.equal(plain["params"][name], hooked["params"][name])
+
+
+def test_svi_with_the_low_rank_hook_trains_and_keeps_workers_identical() -> None:
+    outcomes = run_workers(svi_with_hook, "low_rank", 40, world_size=3)
+    for outcome in outcomes:
+        losses = outcome["losses"]
+        assert losses[-1] < 0.5 * losses[0]
+        for name in ("w1", "w2"):
+            assert torch.equal(outcome["params"][name], outcomes[0]["params"][name])
+
+
+def test_compression_and_a_hook_together_are_refused() -> None:
+    import pyro
+
+    with pytest.raises(ValueError, match="compression='fp16' or comm_hook, not both"):
+        pd.DistributedOptimizer(
+            pyro.optim.Adam({"lr": 0.01}), compression="fp16", comm_hook=LowRankHook()
+        )
+    with pytest.raises(TypeError, match="comm_hook must be a CommHook or a function"):
+        pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}), comm_hook=3)  # type: ignore[arg-type]
