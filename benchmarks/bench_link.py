@@ -21,7 +21,13 @@ For each repeat, workload and rate it runs, interleaved:
   torch-native loop through ``DistributedTorchOptimizer``): two hosts under
   torchrun;
 * ``ddp`` and ``ddp-fp16`` (DDP's ``fp16_compress_hook``): the same ELBO
-  module under ``DistributedDataParallel``.
+  module under ``DistributedDataParallel``;
+* ``ours-lowrank`` and ``torch-ours-lowrank`` (``comm_hook=LowRankHook(rank)``
+  in SVI and in the module's loop) and ``ddp-powersgd`` (DDP's
+  ``powerSGD_hook`` at the same rank), all compressing from the
+  first timed step; with them every configuration on two hosts also reports
+  its held-out loss after training (``--heldout``), against which the
+  compressed runs are judged.
 
 ``ours`` also fits the all-reduce cost on the link after its clock stops
 (``pd.scaling.measure_collective`` and ``CollectiveCost.fit``). The report
@@ -66,10 +72,31 @@ CONFIGS: tuple[tuple[str, str, bool], ...] = (
     ("torch-ours", "torch-ours", True),
     ("ddp", "ddp", True),
     ("ddp-fp16", "ddp-fp16", True),
+    ("ours-lowrank", "ours-lowrank", True),
+    ("torch-ours-lowrank", "torch-ours-lowrank", True),
+    ("ddp-powersgd", "ddp-powersgd", True),
 )
 #: Each configuration of ours against its DDP peer with the same compression.
-PEERS = (("ours", "ddp"), ("torch-ours", "ddp"), ("ours-fp16", "ddp-fp16"))
+PEERS = (
+    ("ours", "ddp"),
+    ("torch-ours", "ddp"),
+    ("ours-fp16", "ddp-fp16"),
+    ("ours-lowrank", "ddp-powersgd"),
+    ("torch-ours-lowrank", "ddp-powersgd"),
+)
+#: The rows of the low-rank table, each with the uncompressed run of the same loop.
+LOW_RANK = (
+    ("ours", "ours"),
+    ("ours-lowrank", "ours"),
+    ("torch-ours", "torch-ours"),
+    ("torch-ours-lowrank", "torch-ours"),
+    ("ddp", "ddp"),
+    ("ddp-powersgd", "ddp"),
+)
 RATE_BYTES = {"100mbit": 12.5e6, "1gbit": 125e6, "10gbit": 1.25e9}
+#: The rank of ours-lowrank and ddp-powersgd, and the workloads with a held-out loss.
+RANK = 4
+HELDOUT = ("large1m", "vae")
 
 
 def worker_environment() -> dict[str, str]:
@@ -85,6 +112,7 @@ def run_once(cluster: NamespaceCluster, optim: str, together: bool, plan: Any) -
         *(str(WORKER), "--workload", plan.workload, "--optim", optim),
         *("--steps", str(plan.steps), "--warmup", str(plan.warmup)),
         *(["--fit-cost"] if optim == "ours" else []),
+        *(["--heldout", "--rank", str(RANK)] if together and plan.workload in HELDOUT else []),
     ]
     master, port = cluster.hosts[0].address, free_port()
     processes = []
@@ -151,6 +179,11 @@ def summarise(runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]]) -> di
                 "in_sync": all(
                     run.get("params_in_sync", False) for runs_ in configs.values() for run in runs_
                 ),
+                "heldout_loss": {
+                    name: value
+                    for name, config_runs in configs.items()
+                    if (value := median_of(config_runs, "heldout_loss")) is not None
+                },
             }
             if None not in (latency, bandwidth, gradient_bytes, compute, ms["ours"]):
                 assert latency is not None and bandwidth is not None  # for mypy
@@ -231,6 +264,7 @@ def markdown(summary: dict[str, Any], settings: dict[str, Any]) -> str:
         "",
         "Ratios are throughput: DDP's median step over ours (above 1: ours is faster).",
         "",
+        *_low_rank_table(summary),
         "## The cost model against the link",
         "",
         "Predicted step = compute (ours-x2) + one all-reduce of the gradient, with the "
@@ -287,6 +321,52 @@ def markdown(summary: dict[str, Any], settings: dict[str, Any]) -> str:
                 f"| {rate} | {workload} | {model['measured_ms']:.1f} | {' | '.join(cells)} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _low_rank_table(summary: dict[str, Any]) -> list[str]:
+    """Per link and workload, each loop uncompressed and low-rank, ours and DDP's."""
+    lines = [
+        f"## Low rank: `LowRankHook` against DDP's `powerSGD_hook`, both at rank {RANK}",
+        "",
+        "Per configuration: the step (ms), the efficiency against two independent "
+        "processes, the speed-up over the same loop uncompressed, the throughput against "
+        "`ddp-powersgd` (above 1: faster), and the held-out loss after the same steps "
+        "(lower is better) with its gap to the same loop uncompressed. `torch-ours` runs "
+        "the very module and `torch.optim.Adam` that DDP runs; `ours` is SVI.",
+        "",
+        "| link | workload | configuration | ms | eff. | over uncompressed "
+        "| against ddp-powersgd | held-out loss | gap to uncompressed |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = 0
+    for rate, workloads in summary.items():
+        for workload, entry in workloads.items():
+            ms, eff, loss = entry["ms_per_step"], entry["efficiency"], entry["heldout_loss"]
+            if not (
+                ms.get("ddp-powersgd") and (ms.get("ours-lowrank") or ms.get("torch-ours-lowrank"))
+            ):
+                continue
+            for name, plain in LOW_RANK:
+                if not ms.get(name):
+                    continue
+                rows += 1
+                cells = [
+                    f"{ms[name]:.1f}",
+                    f"{eff[name]:.2f}" if name in eff else "-",
+                    f"{ms[plain] / ms[name]:.2f}x" if ms.get(plain) else "-",
+                    f"{ms['ddp-powersgd'] / ms[name]:.2f}x",
+                    f"{loss[name]:.1f}" if name in loss else "-",
+                    _gap(loss, name, plain) if name != plain else "",
+                ]
+                lines.append(f"| {rate} | {workload} | {name} | {' | '.join(cells)} |")
+    return [*lines, ""] if rows else []
+
+
+def _gap(loss: dict[str, float], compressed: str, plain: str) -> str:
+    """The compressed run's held-out loss against the uncompressed one's, in percent."""
+    if compressed not in loss or plain not in loss:
+        return "-"
+    return f"{100 * (loss[compressed] - loss[plain]) / abs(loss[plain]):+.2f} %"
 
 
 def parse_args() -> argparse.Namespace:

@@ -19,8 +19,13 @@ way torch users train a module: ``pyro.settings.set(module_local_params=True)``
 keeps the parameters inside the modules, ``Trace_ELBO()(model, guide)`` is an
 ``nn.Module`` whose forward returns the loss, and at W>1 it is wrapped in
 ``torch.nn.parallel.DistributedDataParallel`` and stepped by one
-``torch.optim.Adam``; ``ddp-fp16`` adds DDP's ``fp16_compress_hook``. See
-:func:`module_training` for what differs from SVI.
+``torch.optim.Adam``; ``ddp-fp16`` adds DDP's ``fp16_compress_hook`` and
+``ddp-powersgd`` its ``powerSGD_hook`` at ``--rank``, against ``ours-lowrank``
+and ``torch-ours-lowrank`` (``LowRankHook`` at the same rank, in SVI and in
+the module's loop; all compress from the first timed step).
+See :func:`module_training` for what differs from SVI. With ``--heldout`` the
+line also holds ``heldout_loss``, the ELBO loss of the trained model on data
+no worker trained on.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from pyro.optim import PyroOptim
 from spatial_workload import NAME as SPATIAL_NAME
 from spatial_workload import spatial_mapping
 from torch import Tensor, nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 import pyro_distributed
 
@@ -84,11 +89,16 @@ VAE_HIDDEN = 128
 VAE_LATENT = 4
 VAE_BATCH = 256
 
+# --heldout: particles of the held-out ELBO, drawn from one seed for every configuration.
+HELDOUT_PARTICLES = 8
+
 OPTIMS = (
     "plain",
     "ours",
     "ours-nooverlap",
     "ours-fp16",
+    # The low-rank hook (LowRankHook at --rank), and DDP's powerSGD_hook at the same rank.
+    "ours-lowrank",
     "ours-pp",
     "ours-noise",
     "ours-owned",
@@ -97,15 +107,26 @@ OPTIMS = (
     "ddp",
     # DDP with its fp16 compression hook: the strongest peer on a slow link.
     "ddp-fp16",
+    "ddp-powersgd",
     # Pyro's torch-native loop: the ELBO module and one torch Adam, plain
     # (W=1), through our DistributedOptimizer, and with owned local rows.
     "torch",
     "torch-ours",
     "torch-ours-owned",
     "torch-ours-sparse",
+    "torch-ours-lowrank",
 )
 #: The configurations that train the ELBO module with a torch optimizer.
-MODULE_OPTIMS = ("ddp", "ddp-fp16", "torch", "torch-ours", "torch-ours-owned", "torch-ours-sparse")
+MODULE_OPTIMS = (
+    "ddp",
+    "ddp-fp16",
+    "ddp-powersgd",
+    "torch-ours-lowrank",
+    "torch",
+    "torch-ours",
+    "torch-ours-owned",
+    "torch-ours-sparse",
+)
 
 Model = Callable[..., object]
 
@@ -179,7 +200,9 @@ MLP_INIT: dict[str, Callable[[], Tensor]] = {
     "w1": lambda: torch.randn(HIDDEN, HIDDEN) / HIDDEN**0.5,
     "b1": lambda: torch.zeros(HIDDEN),
     "w2": lambda: torch.randn(HIDDEN) / HIDDEN**0.5,
-    "b2": lambda: torch.zeros(()),
+    # One element, not a scalar: DDP's powerSGD_hook fails on a 0-dim parameter
+    # (it views every gradient as shape[0] rows).
+    "b2": lambda: torch.zeros(1),
 }
 
 
@@ -363,6 +386,8 @@ class Training:
     parameters: Callable[[], Sequence[tuple[str, Tensor]]]
     #: Bytes of this worker's parameters and optimizer state.
     state_bytes: Callable[[], int]
+    #: The loss on other data (``heldout_args``), without a step.
+    heldout: Callable[[tuple[Any, ...]], float]
 
 
 def start_engine(optim: str) -> None:
@@ -392,6 +417,9 @@ def make_optimizer(name: str, options: dict[str, Any]) -> PyroOptim:
         return pyro_distributed.DistributedOptimizer(adam, overlap=False, **options)
     if name == "ours-fp16":
         return pyro_distributed.DistributedOptimizer(adam, compression="fp16", **options)
+    if name == "ours-lowrank":
+        hook = pyro_distributed.LowRankHook(options.pop("rank"), warmup_steps=options.pop("start"))
+        return pyro_distributed.DistributedOptimizer(adam, comm_hook=hook, **options)
     if name == "ours-pp":
         return pyro_distributed.DistributedOptimizer(adam, multi_tensor=False, **options)
     if name == "ours-noise":
@@ -429,7 +457,10 @@ def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -
     """SVI with the optimizer that ``optim_name`` names."""
     if optim_name == "pyro-horovod" and pyro_distributed.world_size() > 1:
         broadcast_store_from_worker_0(workload)
-    optim = make_optimizer(optim_name, options)
+    hook_options = {"rank": options.pop("rank", 4), "start": options.pop("start", 10)}
+    optim = make_optimizer(
+        optim_name, {**options, **hook_options} if optim_name == "ours-lowrank" else options
+    )
     svi = SVI(workload.model, workload.guide, optim, Trace_ELBO())
 
     def step() -> float:
@@ -448,10 +479,17 @@ def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -
         optimizers = getattr(optim, "optim_objs", {}).values()
         return state_bytes(dict(store_parameters()).values(), optimizers)
 
-    return Training(step, store_parameters, held_bytes)
+    def heldout(args: tuple[Any, ...]) -> float:
+        pyro.set_rng_seed(SEED)
+        with torch.no_grad():
+            return float(Trace_ELBO(num_particles=HELDOUT_PARTICLES).loss(
+                workload.model, workload.guide, *args
+            ))  # fmt: skip
+
+    return Training(step, store_parameters, held_bytes, heldout)
 
 
-def module_training(workload: Workload, optim_name: str) -> Training:
+def module_training(workload: Workload, optim_name: str, options: dict[str, Any]) -> Training:
     """The same model and guide as a torch module, trained with a torch Adam:
     under DDP at W>1 (``ddp``; ``ddp-fp16`` with its fp16 compression hook),
     plain (``torch``), or through our DistributedOptimizer (``torch-ours``,
@@ -491,9 +529,20 @@ def module_training(workload: Workload, optim_name: str) -> Training:
         ddp = nn.parallel.DistributedDataParallel(elbo)
         if optim_name == "ddp-fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        if optim_name == "ddp-powersgd":
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=options.get("rank", 4),
+                start_powerSGD_iter=max(2, options.get("start", 10)),
+            )
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         module = ddp
     elif ours:
-        optimizer = pyro_distributed.DistributedTorchOptimizer(optimizer)
+        hook = {}
+        if optim_name == "torch-ours-lowrank":
+            rank, start = options.get("rank", 4), options.get("start", 10)
+            hook["comm_hook"] = pyro_distributed.LowRankHook(rank, warmup_steps=start)
+        optimizer = pyro_distributed.DistributedTorchOptimizer(optimizer, **hook)
 
     def step() -> float:
         optimizer.zero_grad()
@@ -503,10 +552,17 @@ def module_training(workload: Workload, optim_name: str) -> Training:
         optimizer.step()
         return float(loss.detach())  # svi.step returns the loss as a float too
 
+    def heldout(args: tuple[Any, ...]) -> float:
+        pyro.set_rng_seed(SEED)
+        with torch.no_grad():
+            loss = Trace_ELBO(num_particles=HELDOUT_PARTICLES)(workload.model, workload.guide)
+            return float(loss(*args))
+
     return Training(
         step,
         lambda: sorted(elbo.named_parameters()),
         lambda: state_bytes(elbo.parameters(), [optimizer]),
+        heldout,
     )
 
 
@@ -588,6 +644,14 @@ def parse_args() -> argparse.Namespace:
         "--bucket-cap-mb", type=float, help="DistributedOptimizer's bucket_cap_mb (tuning runs)"
     )
     parser.add_argument(
+        "--rank", type=int, default=4, help="the rank of ours-lowrank and ddp-powersgd"
+    )
+    parser.add_argument(
+        "--heldout",
+        action="store_true",
+        help="after timing, the loss on data no worker trained on (large1m, vae)",
+    )
+    parser.add_argument(
         "--fit-cost",
         action="store_true",
         help="after timing, fit the all-reduce cost here (validate_cost_model.py)",
@@ -626,14 +690,44 @@ def prepare(
     if device != "cpu":
         workload = on_device(workload, device)
         torch.set_default_device(device)
-    return module_training(workload, optim) if ddp else svi_training(workload, optim, options)
+    if ddp:
+        return module_training(workload, optim, options)
+    return svi_training(workload, optim, options)
+
+
+def heldout_args(workload_name: str, device: str) -> tuple[Any, ...]:
+    """Data no worker trained on, for ``--heldout``: large1m's rows drawn from
+    another seed, the VAE's test images."""
+    generator = torch.Generator().manual_seed(SEED - 1)
+    if workload_name == "large1m":
+        args: tuple[Any, ...] = large1m(generator, as_modules=False).args
+    elif workload_name == "vae":
+        sys.path.insert(0, str(EXAMPLES))
+        from vae_digits import load_images  # the example, not a package
+
+        train, test = load_images()
+        count = min(VAE_BATCH, len(test))
+        args = (test[:count], torch.arange(count), len(train))
+    else:
+        raise SystemExit(f"--heldout is for large1m and vae, not {workload_name}")
+    return tuple(a.to(device) if isinstance(a, Tensor) else a for a in args)
 
 
 def main() -> None:
     args = parse_args()
-    options = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+    options: dict[str, Any] = (
+        {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+    )
+    if args.optim in ("ours-lowrank", "torch-ours-lowrank", "ddp-powersgd"):
+        # Compression starts after the untimed steps, in both.
+        options.update(rank=args.rank, start=args.warmup)
     training = prepare(args.workload, args.optim, options, args.device)
     seconds = time_steps(training, args.steps, args.warmup)
+    heldout = (
+        {"heldout_loss": training.heldout(heldout_args(args.workload, args.device))}
+        if args.heldout
+        else {}
+    )
     parameters = training.parameters()
     # Local parameters differ across workers by design: compare the rest.
     registry = pyro_distributed.local.registry
@@ -644,6 +738,7 @@ def main() -> None:
         line = json.dumps(
             {
                 **cost,
+                **heldout,
                 "workload": args.workload,
                 "optim": args.optim,
                 "world_size": pyro_distributed.world_size(),
