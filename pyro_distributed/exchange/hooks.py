@@ -58,7 +58,7 @@ class GradBucket:
     world_size: int
 
     def gradients(self) -> Tensor:
-        """The gradient values (a view of :attr:`buffer`)."""
+        """The gradient values (a view of ``buffer``)."""
         return self.buffer[: self.size]
 
     def tail(self) -> Tensor:
@@ -66,7 +66,7 @@ class GradBucket:
         return self.buffer[self.size :]
 
     def pieces(self) -> list[Tensor]:
-        """Each member's gradient, a view of :attr:`buffer` shaped like the member."""
+        """Each member's gradient, a view of ``buffer`` shaped like the member."""
         numels = [shape.numel() for shape in self.shapes]
         pieces = torch.split(self.gradients(), numels)
         return [piece.view(shape) for piece, shape in zip(pieces, self.shapes, strict=True)]
@@ -88,25 +88,29 @@ class Reducing(ABC):
 
 class CommHook(ABC):
     """How a bucket travels (module docstring). Subclass it and define
-    :meth:`__call__`; the defaults below suit a hook that averages in the
+    ``__call__``; the defaults below suit a hook that averages in the
     bucket's own type.
 
     Example, a hook that sums the bucket in place and divides its gradients
-    afterwards::
+    afterwards (at two workers, the default average bitwise)::
 
-        from pyro_distributed.exchange import CommHook, Waiting
-
-        class SumThenDivide(CommHook):
+        class SumThenDivide(pd.CommHook):
             in_place = True
 
             def __call__(self, bucket, engine):
                 pending = engine.allreduce_async_(bucket.buffer, "sum", bucket.name)
+                return Divided(pending, bucket)
 
-                def mean():
-                    bucket.gradients().div_(bucket.world_size)
-                    return bucket.buffer
+        class Divided(pd.Reducing):
+            def __init__(self, pending, bucket):
+                self.pending, self.bucket = pending, bucket
 
-                return Waiting(pending, mean)
+            def wait(self):
+                self.pending.wait()
+                self.bucket.gradients().div_(self.bucket.world_size)
+                return self.bucket.buffer
+
+        optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}), comm_hook=SumThenDivide())
 
     .. warning::
         A hook runs on every worker for every bucket, in the same order; it
