@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import run_script
+from .support.harness import run_script
 from .test_examples import python_or_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent

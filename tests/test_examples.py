@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from .harness import free_port
+from .support.harness import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "bayesian_regression.py"

@@ -23,8 +23,8 @@ import torch
 import pyro_distributed as pd
 from pyro_distributed.checkpoint.files import load_file
 
-from .harness import WorkerFailure, free_port, run_workers
-from .models import param_values, train_steps
+from .support.harness import WorkerFailure, free_port, run_workers
+from .support.models import param_values, train_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -9,7 +9,7 @@ import torch
 
 import pyro_distributed as pd
 
-from .harness import run_workers
+from .support.harness import run_workers
 
 
 @pytest.fixture(autouse=True)

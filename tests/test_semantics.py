@@ -28,8 +28,8 @@ from pyro.optim.multi import Newton, PyroMultiOptimizer, TorchMultiOptimizer
 
 import pyro_distributed as pd
 
-from .harness import run_workers
-from .models import TOTAL, empty_guide, param_values, point_regression, regression_data
+from .support.harness import run_workers
+from .support.models import TOTAL, empty_guide, param_values, point_regression, regression_data
 
 STEPS = 12
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pyro_distributed.checkpoint.files import load_file
 
-from .harness import free_port
+from .support.harness import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "vae_digits.py"

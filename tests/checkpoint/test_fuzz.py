@@ -26,8 +26,8 @@ import torch
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
 from ..local.test_blocks import _run, _train
+from ..support.harness import run_workers
 
 CLASSES = (
     "truncated main file",

@@ -20,8 +20,8 @@ import pyro_distributed as pd
 from pyro_distributed import safe_files
 from pyro_distributed.checkpoint import files
 
-from ..harness import run_workers
-from ..models import bayesian_regression, param_values, regression_data
+from ..support.harness import run_workers
+from ..support.models import bayesian_regression, param_values, regression_data
 
 
 def _new_run() -> tuple[SVI, pd.DistributedOptimizer, tuple[torch.Tensor, torch.Tensor]]:

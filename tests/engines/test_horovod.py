@@ -22,10 +22,10 @@ import pyro_distributed as pd
 
 from ..evaluation.test_loss import losses
 from ..evaluation.test_predictive import by_data, by_samples
-from ..harness import HorovodSuites, one_pytest_worker, run_workers
 from ..local.test_ownership import gathered_and_local_rows
 from ..local.test_ownership import train as train_locally
 from ..optim.test_consistency import drift
+from ..support.harness import HorovodSuites, one_pytest_worker, run_workers
 from ..test_faults import nan_on_worker_one, uneven_epoch
 from ..test_runtime import _flags
 

@@ -4,12 +4,12 @@ Three kinds of test:
 
 * **The suite's own tests, on MPI.** :data:`ON_MPI` lists tests of the other
   files; each runs here unchanged, with the same assertions, after
-  :data:`tests.harness.DEFAULT_ENGINE` is set to ``"mpi"``, so that every
+  :data:`tests.support.harness.DEFAULT_ENGINE` is set to ``"mpi"``, so that every
   ``run_workers`` in it starts its workers with ``mpiexec -n W`` (one launch
   per call) instead of the gloo spawner: bitwise equality with one process,
   overlap, ownership, checkpoints with block files, evaluation, Predictive,
   the noise scale, schedulers, NaN skipping, compression. The calls share one
-  ``mpiexec`` launch per world size (``tests/mpi_pool.py``).
+  ``mpiexec`` launch per world size (``tests/support/mpi_pool.py``).
 * **The engine's own collectives** in one ``mpiexec`` launch per world size
   (:data:`SCENARIOS`): detection, ranks, dtypes, errors.
 * **Faults and examples** as users meet them: scripts under ``mpiexec``, with
@@ -40,13 +40,14 @@ from pyro_distributed.checkpoint.files import load_file
 from pyro_distributed.engines import detect_engine
 from pyro_distributed.engines.network import own_addresses
 
-from .. import harness, test_examples, test_faults, test_runtime, test_semantics, test_vae_example
+from .. import test_examples, test_faults, test_runtime, test_semantics, test_vae_example
 from ..checkpoint import test_param_store
 from ..evaluation import test_loss, test_predictive
 from ..exchange import test_agreement, test_averager, test_compression, test_overlap
-from ..harness import WorkerFailure, run_under_launcher
 from ..local import test_blocks, test_ownership
 from ..optim import test_consistency, test_module_buffers, test_noise_scale, test_schedulers
+from ..support import harness
+from ..support.harness import WorkerFailure, run_under_launcher
 
 PyroError = pd.PyroDistributedError
 
@@ -170,7 +171,7 @@ def pid_and_validation(raise_on: int) -> tuple[int, bool]:
 @pytest.mark.usefixtures("on_mpi")
 def test_pooled_calls_start_clean_and_a_failure_ends_the_pool_with_every_report() -> None:
     """The calls of ``run_workers`` on MPI share one ``mpiexec`` per world size
-    (``tests/mpi_pool.py``): each call finds what the last one switched put back,
+    (``tests/support/mpi_pool.py``): each call finds what the last one switched put back,
     a failing call names the raising worker's error and ends the pool, and the
     next call gets a fresh pool."""
     first = harness.run_workers(pid_and_validation, -1)

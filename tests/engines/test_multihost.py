@@ -1,4 +1,5 @@
-"""Workers on separate hosts: torchrun across network-namespace hosts (``tests/cluster.py``).
+"""Workers on separate hosts: torchrun across network-namespace hosts
+(``tests/support/cluster.py``).
 
 Each host resolves its own name to loopback, as stock Debian and Ubuntu nodes
 do; nothing is set by hand (no ``GLOO_SOCKET_IFNAME``), as a new user would
@@ -20,14 +21,14 @@ import torch
 
 from pyro_distributed.checkpoint.files import load_file
 
-from ..cluster import Host, NamespaceCluster
-from ..harness import free_port
-from ..lightning.reference import (
+from ..lightning.test_strategy import assert_each_epoch_shares_the_rows, assert_in_sync
+from ..support.cluster import Host, NamespaceCluster
+from ..support.harness import free_port
+from ..support.lightning_reference import (
     FIT_EPOCHS,
     fit_on_lightnings_own_launcher,
     fit_regression_options,
 )
-from ..lightning.test_strategy import assert_each_epoch_shares_the_rows, assert_in_sync
 
 pytestmark = pytest.mark.cluster
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ..cluster import NamespaceCluster
+from ..support.cluster import NamespaceCluster
 from .test_multihost import ENGINE_TIMEOUT, SCRIPT, _environment, _finish, _wait_for_steps
 from .test_slurm import QUICKSTART, REPORT, assert_one_model
 

@@ -1,4 +1,4 @@
-"""The scripts users launch with ``srun``, under a real one-node Slurm (``tests/slurm.py``).
+"""The scripts users launch with ``srun``, under a real one-node Slurm (``tests/support/slurm.py``).
 
 Each scenario is one ``srun`` step, shared by the tests that read it:
 ``examples/quickstart.py`` on 2 tasks with ``--mpi=pmi2`` (the MPI engine)
@@ -29,9 +29,13 @@ import torch
 
 from pyro_distributed.engines.launchers import slurm_step_port
 
-from .. import slurm
-from ..lightning.reference import FIT_EPOCHS, fit_on_lightnings_own_launcher, fit_regression_options
 from ..lightning.test_strategy import assert_each_epoch_shares_the_rows, assert_in_sync
+from ..support import slurm
+from ..support.lightning_reference import (
+    FIT_EPOCHS,
+    fit_on_lightnings_own_launcher,
+    fit_regression_options,
+)
 from ..test_examples import QUICKSTART_WIDTH, quickstart_posterior
 
 pytestmark = pytest.mark.slurm

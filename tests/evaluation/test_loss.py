@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 N = 11  # divides by neither 2 nor 3
 

@@ -18,7 +18,7 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 N = 7  # data points: divides by neither 2 nor 3
 SAMPLES = 10  # divides by neither 3 nor 4

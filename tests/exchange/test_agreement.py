@@ -24,8 +24,8 @@ from pyro_distributed.exchange.agreement import (
     digests_equal,
 )
 
-from ..harness import CountingEngine, run_workers
-from ..models import regression_data
+from ..support.harness import CountingEngine, run_workers
+from ..support.models import regression_data
 
 
 def _extra_param_on_worker_one() -> tuple[str, str, float]:

@@ -8,7 +8,7 @@ import torch
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 

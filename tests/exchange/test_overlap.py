@@ -23,8 +23,8 @@ from pyro_distributed.exchange.averager import GradientAverager, Reduction
 from pyro_distributed.exchange.overlap import BackwardOverlap
 from pyro_distributed.exchange.sync import GradientSync
 
-from ..harness import CountingEngine, run_workers
-from ..models import param_values, regression_data
+from ..support.harness import CountingEngine, run_workers
+from ..support.models import param_values, regression_data
 
 WEIGHTS = 24
 DIM = 16

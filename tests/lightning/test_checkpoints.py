@@ -21,7 +21,7 @@ import torch
 from pyro_distributed import safe_files
 from pyro_distributed.lightning import PyroDistributedStrategy
 
-from ..harness import one_pytest_worker
+from ..support.harness import one_pytest_worker
 from .scripts.fit_regression import N, listing
 from .test_strategy import fit, launch
 

@@ -19,7 +19,7 @@ import torch
 
 from pyro_distributed import safe_files
 
-from ..harness import free_port, one_pytest_worker, run_script
+from ..support.harness import free_port, one_pytest_worker, run_script
 from .scripts.fit_regression import N_TEST, N_VAL, SIGMA, N, make_data
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ import pyro_distributed.local.blocks
 import pyro_distributed.local.registry
 
 from ..checkpoint.test_param_store import assert_same_state
-from ..harness import run_workers
+from ..support.harness import run_workers
 from .test_ownership import D, N, data, guide, model
 
 LOCAL = ("z_loc", "z_scale")

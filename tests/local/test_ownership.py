@@ -27,7 +27,7 @@ from torch.distributions import constraints
 import pyro_distributed as pd
 from benchmarks.memory import state_bytes
 
-from ..harness import CountingEngine, run_workers
+from ..support.harness import CountingEngine, run_workers
 
 N = 41  # divides by neither 2 nor 3
 D = 3

@@ -32,7 +32,7 @@ from pyro_distributed.local import sparse as sparse_local
 from pyro_distributed.pyro_internals import stored_unconstrained
 
 from ..checkpoint.test_param_store import assert_same_state
-from ..harness import CountingEngine, run_workers
+from ..support.harness import CountingEngine, run_workers
 from .test_ownership import BATCH, D, N, data, guide, model
 
 LOCAL = ("z_loc", "z_scale")

@@ -21,7 +21,7 @@ from pyro.infer.autoguide import AutoNormal
 import pyro_distributed as pd
 
 from ..checkpoint.test_param_store import assert_same_state
-from ..harness import WorkerFailure, run_under_launcher, run_workers
+from ..support.harness import WorkerFailure, run_under_launcher, run_workers
 from .test_ownership import data, model
 from .test_sparse import STEPS, plates
 from .test_sparse_torch import trained

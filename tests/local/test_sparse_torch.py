@@ -35,7 +35,6 @@ from pyro_distributed.local import registry
 from pyro_distributed.local import sparse as sparse_local
 
 from ..checkpoint.test_param_store import assert_same_state
-from ..harness import run_workers
 from ..optim.test_torch_optimizer import (
     BATCH_LOCAL,
     D_LOCAL,
@@ -43,6 +42,7 @@ from ..optim.test_torch_optimizer import (
     LocalModel,
     local_plates,
 )
+from ..support.harness import run_workers
 from .test_sparse import (
     STEPS,
     assert_reference_facts,

@@ -8,8 +8,8 @@ import torch
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
-from ..models import train_steps
+from ..support.harness import run_workers
+from ..support.models import train_steps
 
 
 def drift(what: str) -> str:

@@ -20,8 +20,8 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from ..harness import HorovodSuites, one_pytest_worker, run_workers
-from ..models import bayesian_regression, param_values, regression_data
+from ..support.harness import HorovodSuites, one_pytest_worker, run_workers
+from ..support.models import bayesian_regression, param_values, regression_data
 from ..test_semantics import clip_cases, train_each_elbo
 from .test_module_buffers import trained as trained_with_batchnorm
 from .test_noise_scale import measured_against_exact

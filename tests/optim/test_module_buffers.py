@@ -20,7 +20,7 @@ from pyro.nn import PyroModule
 import pyro_distributed as pd
 from pyro_distributed.optim.module_buffers import trained_modules
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 STEPS = 4
 

@@ -31,7 +31,7 @@ from torch import Tensor
 import pyro_distributed as pd
 from pyro_distributed.optim.noise_scale import NoiseScale
 
-from ..harness import CountingEngine, run_workers
+from ..support.harness import CountingEngine, run_workers
 
 N = 1000  # data points
 DIM = 32

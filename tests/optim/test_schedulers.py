@@ -17,8 +17,8 @@ from pyro.infer import SVI, Trace_ELBO
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
-from ..models import empty_guide, param_values, point_regression
+from ..support.harness import run_workers
+from ..support.models import empty_guide, param_values, point_regression
 from ..test_semantics import STEPS, batch_for, compare_with_single_process, my_ranks
 
 SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -16,7 +16,7 @@ from pyro.nn import PyroModule
 import pyro_distributed as pd
 from pyro_distributed.optim.torch_optimizer import DistributedTorchOptimizer
 
-from ..harness import WorkerFailure, one_pytest_worker, run_under_launcher, run_workers
+from ..support.harness import WorkerFailure, one_pytest_worker, run_under_launcher, run_workers
 
 
 def small_net(seed: int) -> torch.nn.Module:

@@ -21,7 +21,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from pyro_distributed.engines.base import process_is_alive
 
-from ..harness import run_script
+from ..support.harness import run_script
 from ..test_examples import python_or_torchrun
 from .scripts import owned_rows
 

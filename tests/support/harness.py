@@ -10,7 +10,7 @@ of them when any worker fails, dies or overruns the time limit.
 With ``engine="mpi"`` (or :data:`DEFAULT_ENGINE` set to it, as
 ``tests/test_mpi.py`` does to run other files' tests on MPI) the workers are
 started by the real ``mpiexec`` instead: one launch per world size, whose
-workers run one call after another (``tests/mpi_pool.py``).
+workers run one call after another (``tests/support/mpi_pool.py``).
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def run_under_launcher(
 ) -> dict[str, Any]:
     """Run each ``(name, fn, args)`` on every worker of one launch of ``engine``'s real
     launcher (``mpiexec -n world_size`` for ``"mpi"``, ``horovodrun --gloo`` for
-    ``"horovod"``), through ``tests/launched_runner.py``.
+    ``"horovod"``), through ``tests/support/launched_runner.py``.
 
     Returns, by scenario name, the workers' results by rank. A scenario that
     failed on any worker maps to a :class:`WorkerFailure` instead, which the
@@ -246,7 +246,7 @@ def run_under_launcher(
     whole launch (the launcher and every worker, in a process group of their
     own) is killed after ``timeout``.
     """
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "scenarios.pkl"
         spec.write_bytes(
@@ -256,7 +256,7 @@ def run_under_launcher(
         )
         command = [
             *_launcher(engine, world_size),
-            sys.executable, "-m", "tests.launched_runner", engine, str(spec), tmp,
+            sys.executable, "-m", "tests.support.launched_runner", engine, str(spec), tmp,
         ]  # fmt: skip
         env = {
             **os.environ,
@@ -346,7 +346,7 @@ def _run_on_mpi_pool(
     fn: Callable[..., Any], args: tuple[Any, ...], world_size: int, timeout: float
 ) -> list[Any]:
     """:func:`run_workers` on the mpi engine: a call on this world size's one
-    ``mpiexec`` launch (``tests/mpi_pool.py``)."""
+    ``mpiexec`` launch (``tests/support/mpi_pool.py``)."""
     results, failures = mpi_pool.run(
         fn, args, world_size, timeout, _launcher("mpi", world_size), ENGINE_TIMEOUT
     )

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..harness import run_script
+from .harness import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 FIT_REGRESSION = "tests/lightning/scripts/fit_regression.py"
