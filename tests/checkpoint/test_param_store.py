@@ -20,6 +20,7 @@ import pyro_distributed as pd
 from pyro_distributed import safe_files
 from pyro_distributed.checkpoint import files
 
+from ..support.compare import assert_same_state
 from ..support.harness import run_workers
 from ..support.models import bayesian_regression, param_values, regression_data
 
@@ -65,21 +66,6 @@ def load_then_train(steps: int, path: str) -> dict[str, Any]:
     assert start == optim.num_steps
     _train(svi, optim, data, steps)
     return _snapshot(optim)
-
-
-def assert_same_state(got: Any, want: Any, where: str = "") -> None:
-    if isinstance(want, torch.Tensor):
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert got.keys() == want.keys(), where
-        for key in want:
-            assert_same_state(got[key], want[key], f"{where}/{key}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for index, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same_state(g, w, f"{where}/{index}")
-    else:
-        assert got == want, where
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

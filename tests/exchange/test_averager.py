@@ -15,8 +15,8 @@ import pyro_distributed as pd
 from pyro_distributed.exchange.averager import GradientAverager, Reduction
 from pyro_distributed.exchange.compression import compressor
 
-from ..optim.test_noise_scale import exact_norms
 from ..support.harness import CountingEngine, run_workers
+from ..support.noise_scale import exact_norms
 
 
 def _fused_and_per_tensor_means() -> tuple[list[torch.Tensor], list[torch.Tensor]]:

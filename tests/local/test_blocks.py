@@ -16,32 +16,17 @@ from typing import Any
 import pyro
 import pytest
 import torch
-from pyro.infer import SVI, Trace_ELBO
 
 import pyro_distributed as pd
 import pyro_distributed.local.blocks
 import pyro_distributed.local.registry
 
-from ..checkpoint.test_param_store import assert_same_state
+from ..support.blocks import owned_svi, train_owned
+from ..support.compare import assert_same_state
 from ..support.harness import run_workers
-from .test_ownership import D, N, data, guide, model
+from ..support.ownership import D, N
 
 LOCAL = ("z_loc", "z_scale")
-
-
-def _run() -> tuple[SVI, pd.DistributedOptimizer, torch.Tensor]:
-    pd.set_rng_seed(5)
-    x = data()
-    with pd.shard_subsamples(own_local_params=True):
-        guide(x)  # create the parameters before a checkpoint is loaded
-    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.05}))
-    return SVI(model, guide, optim, Trace_ELBO()), optim, x
-
-
-def _train(svi: SVI, x: torch.Tensor, steps: int) -> None:
-    for _ in range(steps):
-        with pd.shard_subsamples(own_local_params=True):
-            svi.step(x)
 
 
 def _snapshot(optim: pd.DistributedOptimizer) -> dict[str, Any]:
@@ -54,17 +39,17 @@ def _snapshot(optim: pd.DistributedOptimizer) -> dict[str, Any]:
 
 
 def straight(steps: int, save_at: int, path: str) -> dict[str, Any]:
-    svi, optim, x = _run()
-    _train(svi, x, save_at)
+    svi, optim, x = owned_svi()
+    train_owned(svi, x, save_at)
     pd.save_checkpoint(path, optim)
-    _train(svi, x, steps - save_at)
+    train_owned(svi, x, steps - save_at)
     return _snapshot(optim)
 
 
 def resumed(steps: int, path: str) -> dict[str, Any]:
-    svi, optim, x = _run()
+    svi, optim, x = owned_svi()
     start = pd.load_checkpoint(path, optim)
-    _train(svi, x, steps - start)
+    train_owned(svi, x, steps - start)
     return _snapshot(optim)
 
 
@@ -80,14 +65,14 @@ def test_resume_at_the_same_world_size_is_bitwise(tmp_path: Path) -> None:
 
 
 def saved_then_state(path: str) -> dict[str, Any]:
-    svi, optim, x = _run()
-    _train(svi, x, 6)
+    svi, optim, x = owned_svi()
+    train_owned(svi, x, 6)
     pd.save_checkpoint(path, optim)
     return _snapshot(optim)
 
 
 def loaded_state(path: str, steps_after: int) -> dict[str, Any]:
-    svi, optim, x = _run()
+    svi, optim, x = owned_svi()
     # Loaded optimizer state is handed to optim.set_state, and waits in Pyro's
     # optimizer until each parameter's next step; record what was handed over
     # (a copy: Adam then updates those tensors in place).
@@ -102,7 +87,7 @@ def loaded_state(path: str, steps_after: int) -> dict[str, Any]:
     pd.load_checkpoint(path, optim)
     snapshot = _snapshot(optim)
     snapshot["optim"] = handed
-    _train(svi, x, steps_after)  # and training goes on from there
+    train_owned(svi, x, steps_after)  # and training goes on from there
     return snapshot
 
 
@@ -137,11 +122,11 @@ def test_elastic_resume_repartitions_the_blocks(
 
 
 def failing_second_save(path: str) -> dict[str, Any]:
-    svi, optim, x = _run()
-    _train(svi, x, 3)
+    svi, optim, x = owned_svi()
+    train_owned(svi, x, 3)
     pd.save_checkpoint(path, optim)
     before = _snapshot(optim)
-    _train(svi, x, 3)
+    train_owned(svi, x, 3)
     if pd.rank() == 1:
 
         def refuse(target: Path, token: str, rank: int, workers: int, state: Any) -> None:

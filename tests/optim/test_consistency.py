@@ -8,26 +8,8 @@ import torch
 
 import pyro_distributed as pd
 
+from ..support.faults import drift
 from ..support.harness import run_workers
-from ..support.models import train_steps
-
-
-def drift(what: str) -> str:
-    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}), check_every=3)
-    train_steps(optim, 2)
-    pd.assert_in_sync(optim)  # in sync so far
-    p = pyro.param("p").unconstrained()
-    if pd.rank() == 1:
-        with torch.no_grad():
-            if what == "param":
-                p.add_(1e-6)
-            else:
-                next(iter(optim.optim_objs.values())).state[p]["exp_avg"].add_(1.0)
-    try:
-        train_steps(optim, 1)  # the third step runs the periodic check
-    except pd.PyroDistributedError as err:
-        return str(err)
-    return "no error"
 
 
 @pytest.mark.parametrize(

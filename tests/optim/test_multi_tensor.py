@@ -13,7 +13,7 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from ..local import test_ownership as ownership
+from ..support import ownership
 from ..support.harness import run_workers
 from ..support.models import bayesian_regression, param_values, regression_data
 

@@ -14,8 +14,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "multihost_train.py"
-
-
 #: The engine's time-out inside these runs: every failure must end a host within it.
 ENGINE_TIMEOUT = 20.0
 
