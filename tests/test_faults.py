@@ -21,7 +21,7 @@ import pyro_distributed as pd
 from pyro_distributed.checkpoint.files import load_file
 
 from .support.faults import die_at_step_five, nan_on_worker_one, uneven_epoch
-from .support.harness import WorkerFailure, free_port, run_workers
+from .support.harness import ENGINES, WorkerFailure, free_port, run_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -168,8 +168,9 @@ def test_two_torchrun_nodes_train_together_and_only_global_rank_zero_writes(
 # --- non-finite gradients --------------------------------------------------------------------
 
 
-def test_nan_on_one_worker_makes_every_worker_skip_the_step() -> None:
-    first, second = run_workers(nan_on_worker_one, "skip")
+@pytest.mark.parametrize("engine", ENGINES)
+def test_nan_on_one_worker_makes_every_worker_skip_the_step(engine: str) -> None:
+    first, second = run_workers(nan_on_worker_one, "skip", engine=engine)
     for mine, theirs in zip(first["values"], second["values"], strict=True):
         assert all(torch.equal(mine[name], theirs[name]) for name in mine)
     before, skipped, after = first["values"]

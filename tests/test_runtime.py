@@ -10,7 +10,7 @@ import torch
 import pyro_distributed as pd
 
 from .support.collectives import flags
-from .support.harness import run_workers
+from .support.harness import ENGINES, run_workers
 
 
 @pytest.fixture(autouse=True)
@@ -107,9 +107,10 @@ def test_two_workers_see_their_ranks_and_the_means() -> None:
         assert torch.equal(mean_tensor, torch.full((2,), 0.5, dtype=torch.float64))
 
 
-def test_any_worker_and_all_workers_agree_everywhere() -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_any_worker_and_all_workers_agree_everywhere(engine: str) -> None:
     expected = {"any": True, "all": False, "all_true": True, "none": False}
-    assert run_workers(flags, world_size=3) == [expected] * 3
+    assert run_workers(flags, world_size=3, engine=engine) == [expected] * 3
 
 
 def _early_stopping() -> int:

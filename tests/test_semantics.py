@@ -22,6 +22,7 @@ from pyro.optim.multi import Newton, PyroMultiOptimizer, TorchMultiOptimizer
 
 import pyro_distributed as pd
 
+from .support.harness import ENGINES
 from .support.models import empty_guide, param_values, point_regression
 from .support.semantics import (
     STEPS,
@@ -73,8 +74,9 @@ def test_every_optimizer_type_matches_one_process() -> None:
 # --- clipping after averaging ---------------------------------------------------------------
 
 
-def test_clipping_applies_to_the_averaged_gradient() -> None:
-    single = compare_with_single_process(clip_cases, rtol=1e-6)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_clipping_applies_to_the_averaged_gradient(engine: str) -> None:
+    single = compare_with_single_process(clip_cases, rtol=1e-6, engine=engine)
     assert torch.allclose(single["value"]["p"], torch.tensor([-0.3, -0.25]))
     # average(clip) would have given ((-0.3 - 0.0) / 2, (-0.0 - 0.3) / 2)
 
@@ -82,10 +84,11 @@ def test_clipping_applies_to_the_averaged_gradient() -> None:
 # --- several backward passes per call -------------------------------------------------------
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 @pytest.mark.slow
-def test_every_elbo_matches_one_process() -> None:
-    compare_with_single_process(train_each_elbo)
+def test_every_elbo_matches_one_process(engine: str) -> None:
+    compare_with_single_process(train_each_elbo, engine=engine)
 
 
 # --- multi-optimizers -----------------------------------------------------------------------

@@ -21,7 +21,7 @@ from pyro_distributed import safe_files
 from pyro_distributed.checkpoint import files
 
 from ..support.compare import assert_same_state
-from ..support.harness import run_workers
+from ..support.harness import run_workers, with_engines
 from ..support.models import bayesian_regression, param_values, regression_data
 
 
@@ -68,15 +68,15 @@ def load_then_train(steps: int, path: str) -> dict[str, Any]:
     return _snapshot(optim)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(("engine", "world_size"), with_engines([1, 2], on_mpi=[2]))
 @pytest.mark.slow
 def test_resume_in_fresh_processes_equals_an_uninterrupted_run(
-    world_size: int, tmp_path: Path
+    engine: str, world_size: int, tmp_path: Path
 ) -> None:
     path = str(tmp_path / "run.pt")
-    straight = run_workers(train_straight, 20, world_size=world_size)
-    run_workers(train_then_save, 10, path, world_size=world_size)
-    resumed = run_workers(load_then_train, 10, path, world_size=world_size)
+    straight = run_workers(train_straight, 20, world_size=world_size, engine=engine)
+    run_workers(train_then_save, 10, path, world_size=world_size, engine=engine)
+    resumed = run_workers(load_then_train, 10, path, world_size=world_size, engine=engine)
     for rank in range(world_size):
         assert_same_state(resumed[rank], straight[rank])
     assert resumed[0]["steps"] == 20

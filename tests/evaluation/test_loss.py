@@ -16,7 +16,7 @@ from pyro.infer.autoguide import AutoDelta
 
 import pyro_distributed as pd
 
-from ..support.harness import run_workers
+from ..support.harness import run_workers, with_engines
 from ..support.loss import N, batch_plate_model, data, empty_guide, losses
 
 
@@ -50,9 +50,9 @@ def rows_seen(batch_size: int) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_every_row_is_evaluated_exactly_once(workers: int) -> None:
-    seen = run_workers(rows_seen, 2, world_size=workers)
+@pytest.mark.parametrize(("engine", "workers"), with_engines([2, 3], on_mpi=[3]))
+def test_every_row_is_evaluated_exactly_once(engine: str, workers: int) -> None:
+    seen = run_workers(rows_seen, 2, world_size=workers, engine=engine)
     everything = sorted(index for rows in seen for index in rows)
     assert everything == list(range(N))
     assert max(map(len, seen)) - min(map(len, seen)) <= 1, "blocks differ by at most one row"

@@ -13,14 +13,16 @@ import torch
 
 import pyro_distributed as pd
 
-from ..support.harness import run_workers
+from ..support.harness import run_workers, with_engines
 from ..support.predictive import SAMPLES, N, by_data, by_samples, data, model, trained_guide
 
 
-@pytest.mark.parametrize("workers", [2, 3, 4])
-def test_seeded_samples_are_the_one_process_samples_at_any_world_size(workers: int) -> None:
-    (alone,) = run_workers(by_samples, 0, "main", world_size=1)
-    results = run_workers(by_samples, 0, "main", world_size=workers)
+@pytest.mark.parametrize(("engine", "workers"), with_engines([2, 3, 4], on_mpi=[3]))
+def test_seeded_samples_are_the_one_process_samples_at_any_world_size(
+    engine: str, workers: int
+) -> None:
+    (alone,) = run_workers(by_samples, 0, "main", world_size=1, engine=engine)
+    results = run_workers(by_samples, 0, "main", world_size=workers, engine=engine)
     assert all(result is None for result in results[1:]), "gathered on worker 0 only"
     assert results[0].keys() == alone.keys() == {"slope", "mean", "local", "y"}
     for name, value in alone.items():

@@ -23,7 +23,7 @@ import pyro_distributed.local.registry
 
 from ..support.blocks import owned_svi, train_owned
 from ..support.compare import assert_same_state
-from ..support.harness import run_workers
+from ..support.harness import ENGINES, run_workers, with_engines
 from ..support.ownership import D, N
 
 LOCAL = ("z_loc", "z_scale")
@@ -53,13 +53,14 @@ def resumed(steps: int, path: str) -> dict[str, Any]:
     return _snapshot(optim)
 
 
-def test_resume_at_the_same_world_size_is_bitwise(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_resume_at_the_same_world_size_is_bitwise(engine: str, tmp_path: Path) -> None:
     path = str(tmp_path / "run.pt")
-    uninterrupted = run_workers(straight, 10, 4, path)
+    uninterrupted = run_workers(straight, 10, 4, path, engine=engine)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) == 3 and files[0] == "run.pt", files
     assert all(".block" in name for name in files[1:]), "one block file per worker"
-    again = run_workers(resumed, 10, path)
+    again = run_workers(resumed, 10, path, engine=engine)
     for rank in range(2):
         assert_same_state(again[rank], uninterrupted[rank], f"worker {rank}")
 
@@ -98,14 +99,16 @@ def _whole(per_worker: list[dict[str, Any]], name: str) -> tuple[torch.Tensor, t
     return values, moments
 
 
-@pytest.mark.parametrize(("saved_at", "loaded_at"), [(2, 3), (3, 1)])
+@pytest.mark.parametrize(
+    ("engine", "saved_at", "loaded_at"), with_engines([(2, 3), (3, 1)], on_mpi=[(2, 3)])
+)
 @pytest.mark.slow
 def test_elastic_resume_repartitions_the_blocks(
-    tmp_path: Path, saved_at: int, loaded_at: int
+    engine: str, tmp_path: Path, saved_at: int, loaded_at: int
 ) -> None:
     path = str(tmp_path / "run.pt")
-    saved = run_workers(saved_then_state, path, world_size=saved_at)
-    loaded = run_workers(loaded_state, path, 2, world_size=loaded_at)
+    saved = run_workers(saved_then_state, path, world_size=saved_at, engine=engine)
+    loaded = run_workers(loaded_state, path, 2, world_size=loaded_at, engine=engine)
     for name in LOCAL:
         values, moments = _whole(saved, name)
         assert values.shape == (N, D)
@@ -138,16 +141,18 @@ def failing_second_save(path: str) -> dict[str, Any]:
     return {"before": before, "error": str(error.value)}
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_failed_save_leaves_the_previous_checkpoint_intact_and_complete(
+    engine: str,
     tmp_path: Path,
 ) -> None:
     path = str(tmp_path / "run.pt")
-    first, second = run_workers(failing_second_save, path)
+    first, second = run_workers(failing_second_save, path, engine=engine)
     for worker in (first, second):
         assert "worker 1: OSError: disk full (injected)" in worker["error"]
         assert "the previous checkpoint is intact" in worker["error"]
     assert len(list(tmp_path.iterdir())) == 3, "no file of the failed save is left"
-    loaded = run_workers(loaded_state, path, 0)
+    loaded = run_workers(loaded_state, path, 0, engine=engine)
     for rank, worker in enumerate((first, second)):
         assert_same_state(loaded[rank]["values"], worker["before"]["values"], f"worker {rank}")
 

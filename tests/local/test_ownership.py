@@ -23,7 +23,7 @@ from pyro.infer import SVI, Trace_ELBO
 
 import pyro_distributed as pd
 
-from ..support.harness import CountingEngine, run_workers
+from ..support.harness import CountingEngine, run_workers, with_engines
 from ..support.ownership import BATCH, D, N, data, gathered_and_local_rows, guide, model, train
 
 LOCAL = {
@@ -33,16 +33,24 @@ LOCAL = {
 }
 
 
-@pytest.mark.parametrize("workers", [2, 3])
 @pytest.mark.parametrize(
-    ("optim_name", "guide_name"), [("adam", "hand"), ("clipped", "auto"), ("adam", "delta")]
+    ("engine", "workers", "optim_name", "guide_name"),
+    with_engines(
+        [
+            (workers, *run)
+            for workers in (2, 3)
+            for run in [("adam", "hand"), ("clipped", "auto"), ("adam", "delta")]
+        ],
+        on_mpi=[(3, "clipped", "auto")],
+    ),
 )
 @pytest.mark.slow
 def test_ownership_changes_where_rows_live_not_the_numbers(
-    workers: int, optim_name: str, guide_name: str
+    engine: str, workers: int, optim_name: str, guide_name: str
 ) -> None:
-    replicated = run_workers(train, False, optim_name, guide_name, world_size=workers)
-    owned = run_workers(train, True, optim_name, guide_name, world_size=workers)
+    runs = {"world_size": workers, "engine": engine}
+    replicated = run_workers(train, False, optim_name, guide_name, **runs)
+    owned = run_workers(train, True, optim_name, guide_name, **runs)
     local_names = LOCAL[guide_name]
     for rank, (mine, reference) in enumerate(zip(owned, replicated, strict=True)):
         assert set(mine["local"]) == set(local_names)
@@ -96,10 +104,10 @@ def test_bytes_sent_per_step_do_not_grow_with_n() -> None:
     assert 0 < small[0] < 1000
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_gather_param_assembles_the_rows_in_order_on_worker_0(workers: int) -> None:
-    replicated = run_workers(train, False, "adam", "hand", world_size=workers)
-    results = run_workers(gathered_and_local_rows, world_size=workers)
+@pytest.mark.parametrize(("engine", "workers"), with_engines([2, 3], on_mpi=[2]))
+def test_gather_param_assembles_the_rows_in_order_on_worker_0(engine: str, workers: int) -> None:
+    replicated = run_workers(train, False, "adam", "hand", world_size=workers, engine=engine)
+    results = run_workers(gathered_and_local_rows, world_size=workers, engine=engine)
     # z_loc is unconstrained, so the stored values are the ones gather_param returns.
     reference = replicated[0]["values"]["z_loc"]
     assert torch.equal(results[0]["gathered"], reference)

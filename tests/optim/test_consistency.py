@@ -9,16 +9,20 @@ import torch
 import pyro_distributed as pd
 
 from ..support.faults import drift
-from ..support.harness import run_workers
+from ..support.harness import run_workers, with_engines
 
 
 @pytest.mark.parametrize(
-    ("what", "expected"), [("param", "parameter 'p'"), ("state", "optimizer state of 'p'")]
+    ("engine", "what", "expected"),
+    with_engines(
+        [("param", "parameter 'p'"), ("state", "optimizer state of 'p'")],
+        on_mpi=[("param", "parameter 'p'")],
+    ),
 )
 def test_drift_is_caught_by_check_every_and_names_param_and_workers(
-    what: str, expected: str
+    engine: str, what: str, expected: str
 ) -> None:
-    messages = run_workers(drift, what)
+    messages = run_workers(drift, what, engine=engine)
     assert messages[0] == messages[1]
     assert f"workers have drifted apart: {expected} differs" in messages[0]
     assert "worker 0: version" in messages[0] and "worker 1: version" in messages[0]

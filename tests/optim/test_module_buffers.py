@@ -16,17 +16,22 @@ from pyro.infer import Trace_ELBO
 import pyro_distributed as pd
 from pyro_distributed.optim.module_buffers import trained_modules
 
-from ..support.harness import run_workers
+from ..support.harness import run_workers, with_engines
 from ..support.module_buffers import STEPS, Regression, data, network, trained
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-@pytest.mark.parametrize("path", ["pyro.module", "PyroModule", "torch"])
+@pytest.mark.parametrize(
+    ("engine", "workers", "path"),
+    with_engines(
+        [(workers, path) for workers in (2, 3) for path in ("pyro.module", "PyroModule", "torch")],
+        on_mpi=[(3, "PyroModule")],
+    ),
+)
 @pytest.mark.slow
 def test_batchnorm_statistics_are_the_same_on_every_worker_after_every_step(
-    workers: int, path: str
+    engine: str, workers: int, path: str
 ) -> None:
-    results = run_workers(trained, path, world_size=workers, timeout=600)
+    results = run_workers(trained, path, world_size=workers, timeout=600, engine=engine)
     first = results[0]
     own = [result["own_first"] for result in results]
     assert not torch.equal(own[0], own[1]), "each worker's batch moves its own statistics"

@@ -30,7 +30,7 @@ from torch import Tensor
 import pyro_distributed as pd
 from pyro_distributed.optim.noise_scale import NoiseScale
 
-from ..support.harness import CountingEngine, run_workers
+from ..support.harness import CountingEngine, run_workers, with_engines
 from ..support.noise_scale import (
     BATCH,
     SIGMA,
@@ -111,14 +111,17 @@ def test_b_simple_grows_with_label_noise_and_falls_with_particles() -> None:
 
 
 @pytest.mark.parametrize(
-    ("overlap", "compression", "rel"),
-    [(True, "none", 1e-4), (False, "none", 1e-4), (True, "fp16", 1e-2), (False, "bf16", 5e-2)],
+    ("engine", "overlap", "compression", "rel"),
+    with_engines(
+        [(True, "none", 1e-4), (False, "none", 1e-4), (True, "fp16", 1e-2), (False, "bf16", 5e-2)],
+        on_mpi=[(True, "none", 1e-4)],
+    ),
 )
 @pytest.mark.slow
 def test_norms_equal_those_of_the_gathered_gradients(
-    overlap: bool, compression: str, rel: float
+    engine: str, overlap: bool, compression: str, rel: float
 ) -> None:
-    for record in run_workers(measured_against_exact, overlap, compression)[0]:
+    for record in run_workers(measured_against_exact, overlap, compression, engine=engine)[0]:
         assert record["gradient_sq"] == pytest.approx(record["exact_gradient_sq"], rel=rel)
         assert record["trace_sigma"] == pytest.approx(record["exact_trace_sigma"], rel=rel)
 

@@ -16,7 +16,7 @@ import torch
 
 import pyro_distributed as pd
 
-from ..support.harness import run_workers
+from ..support.harness import ENGINES, run_workers
 from ..support.semantics import (
     compare_with_single_process,
     train_each_scheduler,
@@ -24,19 +24,21 @@ from ..support.semantics import (
 
 
 @functools.cache
-def scheduler_runs() -> Any:
-    return compare_with_single_process(train_each_scheduler)
+def scheduler_runs(engine: str) -> Any:
+    return compare_with_single_process(train_each_scheduler, engine=engine)
 
 
-def test_every_scheduler_matches_one_process() -> None:
-    single = scheduler_runs()
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_scheduler_matches_one_process(engine: str) -> None:
+    single = scheduler_runs(engine=engine)
     for case, values in single.items():
         assert len(set(values["lr"].tolist())) > 1, f"{case}: the learning rate never changed"
 
 
-def test_reduce_lr_on_plateau_averages_the_loss_it_is_given() -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reduce_lr_on_plateau_averages_the_loss_it_is_given(engine: str) -> None:
     # Each worker passes its own local loss; the single process passes the mean loss.
-    single = scheduler_runs()
+    single = scheduler_runs(engine=engine)
     assert single["ReduceLROnPlateau"]["lr"][-1] < 1e-4
 
 

@@ -38,9 +38,13 @@ def my_ranks(single: bool) -> list[int]:
     return [0, 1] if single else [pd.rank()]
 
 
-def compare_with_single_process(worker: Callable[..., Any], *args: Any, rtol: float = 1e-4) -> Any:
-    distributed = run_workers(worker, False, *args, world_size=2)
-    (single,) = run_workers(worker, True, *args, world_size=1)
+def compare_with_single_process(
+    worker: Callable[..., Any], *args: Any, rtol: float = 1e-4, engine: str = "torch"
+) -> Any:
+    """Run ``worker(single, *args)`` on two workers and on one process (which takes
+    both batches); each case's values must agree, bitwise between the workers."""
+    distributed = run_workers(worker, False, *args, world_size=2, engine=engine)
+    (single,) = run_workers(worker, True, *args, world_size=1, engine=engine)
     for case, expected in single.items():
         for rank, got in enumerate(distributed):
             assert got[case].keys() == expected.keys(), case
