@@ -4,7 +4,7 @@
                                     [--repeats 3] [--output-dir benchmarks]
 
 Needs root and ``ip netns``: it makes two hosts as network namespaces on one
-switch (``tests/cluster.py``), every link limited by a token bucket (``tbf``)
+switch (``tests/support/cluster.py``), every link limited by a token bucket (``tbf``)
 to the rate, one worker per host, and removes them when it ends. Host names
 resolve to loopback, as on a stock Debian node, and nothing is set by hand:
 the workers find the link as a user's would (``torchrun --nnodes 2``).
@@ -61,7 +61,7 @@ from pyro_distributed.scaling import CollectiveCost
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
-from tests.cluster import NamespaceCluster, unavailable  # noqa: E402  (after the path)
+from tests.support.cluster import NamespaceCluster, unavailable  # noqa: E402  (after the path)
 
 #: (name, --optim, two hosts under torchrun or each alone)
 CONFIGS: tuple[tuple[str, str, bool], ...] = (

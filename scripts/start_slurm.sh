@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start a real one-node Slurm on this machine (Debian's slurm-wlm and munge), for
-# the tests marked `slurm` (tests/slurm.py, tests/engines/test_slurm.py).
+# the tests marked `slurm` (tests/support/slurm.py, tests/engines/test_slurm.py).
 #
 #   bash scripts/start_slurm.sh               # install if needed, start, check; idempotent
 #   bash scripts/start_slurm.sh --for PID     # the same, on behalf of process PID (a test run)
@@ -11,7 +11,7 @@
 # otherwise one line `slurm: unavailable: WHY` and a non-zero exit. Every wait has
 # a time-out: about 3 minutes at worst, with apt-get installing the packages.
 #
-# A test run's daemons stop with it. Each pytest process (tests/slurm.py) starts
+# A test run's daemons stop with it. Each pytest process (tests/support/slurm.py) starts
 # or finds the daemons `--for` its own pid and, as it exits, `release`s them.
 # Daemons that such a start started are stopped by the release that leaves no
 # live process holding them (a process that died without releasing holds
@@ -265,7 +265,7 @@ if ((alive < ${#DAEMONS[@]})); then
     export SLURM_CONF=$CONF
     STARTED=1
     # setsid and no inherited stdout: the daemons outlive this script and never
-    # hold the pipe of whoever runs it (tests/slurm.py reads its output).
+    # hold the pipe of whoever runs it (tests/support/slurm.py reads its output).
     # --force: munged refuses a root-owned key and socket directory without it.
     setsid munged --force --key-file="$DIR/munge/munge.key" --socket="$DIR/munge/munge.socket" \
         --pid-file="$DIR/munged.pid" --seed-file="$DIR/munge/munge.seed" \

@@ -8,10 +8,10 @@ stops with a usage error instead of failing each test, unless
 tests themselves).
 
 Tests marked ``cluster`` run launchers on hosts made of network namespaces
-(``tests/cluster.py``); where none can be made (not root, no ``ip netns``)
+(``tests/support/cluster.py``); where none can be made (not root, no ``ip netns``)
 they are deselected with one printed line that says why. So are the tests
 marked ``slurm`` where ``scripts/start_slurm.sh`` cannot start a one-node
-Slurm (``tests/slurm.py``).
+Slurm (``tests/support/slurm.py``).
 
 The tests start their own workers with their own launchers, so a launcher's
 variables already in the environment (``MASTER_ADDR`` or ``WORLD_SIZE`` in a
@@ -29,8 +29,8 @@ import torch
 
 import pyro_distributed as pd
 
-from . import cluster, slurm
-from .harness import is_launcher_variable
+from .support import cluster, slurm
+from .support.harness import is_launcher_variable
 
 CUDA_VARIABLE = "PYRO_DISTRIBUTED_TEST_CUDA"
 #: Where the cuda tests put their tensors (tests/test_cuda.py); "cpu" runs them here.
@@ -47,7 +47,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     # The one-node Slurm stops with the last process of the run that started it
-    # (tests/slurm.py), unless PYRO_DISTRIBUTED_KEEP_SLURM=1.
+    # (tests/support/slurm.py), unless PYRO_DISTRIBUTED_KEEP_SLURM=1.
     slurm.release_held()
 
 

@@ -14,7 +14,7 @@ from pyro_distributed.consensus import (
     require_agreement,
 )
 
-from .harness import WorkerFailure, run_workers
+from .support.harness import WorkerFailure, run_workers
 
 
 def test_workers_are_named_in_one_format() -> None:

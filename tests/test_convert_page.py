@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from .harness import run_script
-from .test_examples import python_or_torchrun
+from .support.examples import python_or_torchrun
+from .support.harness import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "getting-started" / "convert.md"

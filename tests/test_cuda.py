@@ -30,7 +30,7 @@ from torch.distributions import constraints
 
 import pyro_distributed as pd
 
-from .harness import run_workers
+from .support.harness import run_workers
 
 pytestmark = pytest.mark.cuda
 

@@ -25,7 +25,7 @@ from pyro_distributed.devices import (
     this_gpu,
 )
 
-from .harness import run_workers
+from .support.harness import run_workers
 
 PACKAGE = Path(pyro_distributed.__file__).parent
 

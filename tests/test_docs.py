@@ -36,7 +36,7 @@ from sphinx.util.inventory import InventoryFile
 import pyro_distributed
 import pyro_distributed.lightning
 
-from .harness import free_port
+from .support.harness import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,26 +11,18 @@ from typing import Any
 import pytest
 import torch
 
-from .harness import free_port
-
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "bayesian_regression.py"
-BIN = Path(sys.executable).parent
-
-
-def run(command: list[str], timeout: float = 240) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
-    )
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
-def fitted_weights(output: str) -> list[float]:
-    match = re.search(r"^weights: \[(.*)\]$", output, re.MULTILINE)
-    assert match, output
-    return [float(w) for w in match.group(1).split(",")]
+from .support.examples import (
+    BIN,
+    EXAMPLE,
+    QUICKSTART,
+    QUICKSTART_WIDTH,
+    ROOT,
+    fitted_weights,
+    python_or_torchrun,
+    quickstart_posterior,
+    run,
+)
+from .support.harness import free_port
 
 
 def test_regression_example_runs_as_one_plain_process() -> None:
@@ -98,35 +88,6 @@ def test_script_written_for_pyros_class_runs_unchanged_with_ours(tmp_path: Path)
     for name, values in with_pyros[0]["params"].items():
         ours_values = torch.tensor(with_ours[0]["params"][name])
         assert torch.allclose(ours_values, torch.tensor(values), atol=1e-3), name
-
-
-QUICKSTART = ROOT / "examples" / "quickstart.py"
-
-
-def python_or_torchrun(workers: int) -> list[str]:
-    """The command that starts a script as one process, or as ``workers`` under torchrun."""
-    if workers == 1:
-        return [sys.executable]
-    return [
-        str(BIN / "torchrun"),
-        f"--nproc-per-node={workers}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-    ]
-
-
-#: sigma / sqrt(N): the posterior width of each weight with 10,000 rows. A
-#: plate sized by one of two shards would give sqrt(2) times this.
-QUICKSTART_WIDTH = 0.3 / 10_000**0.5
-
-
-def quickstart_posterior(output: str) -> tuple[list[float], list[float]]:
-    # No "$": another worker's line may follow on the same line (see tests/engines/test_slurm.py).
-    match = re.search(r"^w: mean \[([^]]*)\] sd \[([^]]*)\]", output, re.MULTILINE)
-    assert match, output
-    return [float(v) for v in match.group(1).split(",")], [
-        float(v) for v in match.group(2).split(",")
-    ]
 
 
 @pytest.mark.parametrize("workers", [1, 2])

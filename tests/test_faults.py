@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
-import pyro
 import pytest
 import torch
 
 import pyro_distributed as pd
 from pyro_distributed.checkpoint.files import load_file
 
-from .harness import WorkerFailure, free_port, run_workers
-from .models import param_values, train_steps
+from .support.faults import die_at_step_five, nan_on_worker_one, uneven_epoch
+from .support.harness import ENGINES, WorkerFailure, free_port, run_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -32,27 +29,6 @@ EXAMPLE = ROOT / "examples" / "bayesian_regression.py"
 
 
 # --- a worker dies, raises or hangs ----------------------------------------------------------
-
-
-def die_at_step_five(how: str, checkpoint: str) -> dict[str, Any]:
-    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
-    train_steps(optim, 3)
-    pd.save_checkpoint(checkpoint, optim)
-
-    def fault(step: int) -> None:
-        if pd.rank() == 1 and step == 5:
-            if how == "sigkill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if how == "raise":
-                raise RuntimeError("worker 1 failed on purpose")
-            time.sleep(10)  # "hang": alive, but not taking part for longer than the time-out
-
-    start = time.monotonic()
-    try:
-        train_steps(optim, 10, fault)
-    except pd.PyroDistributedError as err:
-        return {"message": str(err), "elapsed": time.monotonic() - start}
-    return {"message": "no error", "elapsed": time.monotonic() - start}
 
 
 @pytest.mark.parametrize("how", ["sigkill", "raise"])
@@ -192,27 +168,9 @@ def test_two_torchrun_nodes_train_together_and_only_global_rank_zero_writes(
 # --- non-finite gradients --------------------------------------------------------------------
 
 
-def nan_on_worker_one(policy: str) -> dict[str, Any]:
-    optim = pd.DistributedOptimizer(pyro.optim.SGD({"lr": 0.1}), nonfinite=policy)  # type: ignore[arg-type]
-    p = pyro.param("p", torch.ones(2)).unconstrained()
-    q = pyro.param("q", torch.ones(2)).unconstrained()
-    values = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(3):
-            scale = float("nan") if (step == 1 and pd.rank() == 1) else 1.0
-            ((p * scale).sum() + q.sum()).backward()
-            try:
-                optim([p, q])
-            except pd.PyroDistributedError as err:
-                return {"raised": str(err)}
-            p.grad = q.grad = None
-            values.append(param_values())
-    return {"values": values, "warnings": [str(w.message) for w in caught]}
-
-
-def test_nan_on_one_worker_makes_every_worker_skip_the_step() -> None:
-    first, second = run_workers(nan_on_worker_one, "skip")
+@pytest.mark.parametrize("engine", ENGINES)
+def test_nan_on_one_worker_makes_every_worker_skip_the_step(engine: str) -> None:
+    first, second = run_workers(nan_on_worker_one, "skip", engine=engine)
     for mine, theirs in zip(first["values"], second["values"], strict=True):
         assert all(torch.equal(mine[name], theirs[name]) for name in mine)
     before, skipped, after = first["values"]
@@ -229,20 +187,6 @@ def test_nan_with_raise_policy_raises_on_every_worker() -> None:
 
 
 # --- uneven data -----------------------------------------------------------------------------
-
-
-def uneven_epoch() -> dict[str, Any]:
-    optim = pd.DistributedOptimizer(pyro.optim.SGD({"lr": 0.1}))
-    p = pyro.param("p", torch.zeros(2)).unconstrained()
-    my_batches = [torch.ones(2) * (i + 1) for i in range(3 if pd.rank() == 0 else 5)]
-    used = 0
-    for _ in range(2):  # epochs
-        for batch in pd.even_batches(my_batches):
-            (p * batch).sum().backward()
-            optim([p])
-            p.grad = None
-            used += 1
-    return {"used": used, "params": param_values()}
 
 
 def test_uneven_shards_end_the_epoch_together() -> None:

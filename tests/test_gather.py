@@ -10,7 +10,7 @@ import torch
 import pyro_distributed as pd
 from pyro_distributed.gather import gather_pieces
 
-from .harness import CountingEngine, run_workers
+from .support.harness import CountingEngine, run_workers
 
 
 def gathered(to: str) -> tuple[Any, list[tuple[str, int]]]:

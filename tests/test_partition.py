@@ -7,7 +7,7 @@ import pytest
 import pyro_distributed as pd
 from pyro_distributed.partition import block_range
 
-from .harness import run_workers
+from .support.harness import run_workers
 
 
 def blocks(sizes: list[int]) -> list[range]:

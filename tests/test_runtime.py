@@ -9,7 +9,8 @@ import torch
 
 import pyro_distributed as pd
 
-from .harness import run_workers
+from .support.collectives import flags
+from .support.harness import ENGINES, run_workers
 
 
 @pytest.fixture(autouse=True)
@@ -106,19 +107,10 @@ def test_two_workers_see_their_ranks_and_the_means() -> None:
         assert torch.equal(mean_tensor, torch.full((2,), 0.5, dtype=torch.float64))
 
 
-def _flags() -> dict[str, bool]:
-    mine = pd.rank() == 1
-    return {
-        "any": pd.any_worker(mine),
-        "all": pd.all_workers(mine),
-        "all_true": pd.all_workers(True),
-        "none": pd.any_worker(torch.tensor(False)),
-    }
-
-
-def test_any_worker_and_all_workers_agree_everywhere() -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_any_worker_and_all_workers_agree_everywhere(engine: str) -> None:
     expected = {"any": True, "all": False, "all_true": True, "none": False}
-    assert run_workers(_flags, world_size=3) == [expected] * 3
+    assert run_workers(flags, world_size=3, engine=engine) == [expected] * 3
 
 
 def _early_stopping() -> int:

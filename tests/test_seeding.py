@@ -11,7 +11,7 @@ import torch
 import pyro_distributed as pd
 from pyro_distributed.seeding import block_generator, derived_seed, worker_seed
 
-from .harness import run_workers
+from .support.harness import run_workers
 
 
 def seeded_draws(seed: int) -> dict[str, list[float]]:

@@ -9,7 +9,7 @@ from typing import Any
 import pyro_distributed as pd
 from pyro_distributed import shared_io
 
-from .harness import run_workers
+from .support.harness import run_workers
 
 
 def _slow_on_one_worker(seconds: float) -> dict[str, Any]:

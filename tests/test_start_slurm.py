@@ -1,7 +1,7 @@
 """scripts/start_slurm.sh's daemons stop with the test run that started them.
 
 Each test starts a second one-node Slurm beside the tests' own, in a directory
-and on ports of its own, through the calls that ``tests/slurm.py`` makes for
+and on ports of its own, through the calls that ``tests/support/slurm.py`` makes for
 every pytest process (``--for PID``, then ``release PID``), with real
 processes standing for the pytest processes that hold it.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from . import slurm
-from .harness import free_port
+from .support import slurm
+from .support.harness import free_port
 
 pytestmark = pytest.mark.slurm
 

@@ -17,7 +17,7 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from .harness import run_workers
+from .support.harness import run_workers
 
 N, SIGMA, TAU = 1000, 1.0, 10.0
 TRUE_W = torch.tensor([0.7, -1.3])

@@ -26,8 +26,8 @@ import torch
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
-from ..local.test_blocks import _run, _train
+from ..support.blocks import owned_svi, train_owned
+from ..support.harness import run_workers
 
 CLASSES = (
     "truncated main file",
@@ -65,10 +65,10 @@ def _token(path: Path) -> str:
 
 def save_runs(root: str) -> None:
     """Two saves of the same run with local parameters, a2 after a1."""
-    svi, optim, x = _run()
-    _train(svi, x, 2)
+    svi, optim, x = owned_svi()
+    train_owned(svi, x, 2)
     pd.save_checkpoint(Path(root) / "a1.pt", optim)
-    _train(svi, x, 2)
+    train_owned(svi, x, 2)
     pd.save_checkpoint(Path(root) / "a2.pt", optim)
 
 
@@ -135,7 +135,7 @@ def make_variant(root: Path, other: Path, number: int, world_size: int, seed: in
 
 def fuzz(root: str, other: str, count: int, seed: int) -> list[dict[str, Any]]:
     """Load ``count`` variants on every worker; what each gave here."""
-    _, optim, _ = _run()
+    _, optim, _ = owned_svi()
     directory = Path(root)
     saved = {}
     for name in ("a1", "a2"):

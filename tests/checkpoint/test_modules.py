@@ -13,8 +13,8 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
-from ..optim.test_torch_optimizer import D_LOCAL, N_LOCAL, LocalModel, local_plates, small_net
+from ..support.harness import run_workers
+from ..support.torch_models import D_LOCAL, N_LOCAL, LocalModel, local_plates, small_net
 
 
 def _local_run() -> tuple[torch.nn.Module, torch.Tensor, Any, Any]:

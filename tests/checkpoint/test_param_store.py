@@ -20,8 +20,9 @@ import pyro_distributed as pd
 from pyro_distributed import safe_files
 from pyro_distributed.checkpoint import files
 
-from ..harness import run_workers
-from ..models import bayesian_regression, param_values, regression_data
+from ..support.compare import assert_same_state
+from ..support.harness import run_workers, with_engines
+from ..support.models import bayesian_regression, param_values, regression_data
 
 
 def _new_run() -> tuple[SVI, pd.DistributedOptimizer, tuple[torch.Tensor, torch.Tensor]]:
@@ -67,30 +68,15 @@ def load_then_train(steps: int, path: str) -> dict[str, Any]:
     return _snapshot(optim)
 
 
-def assert_same_state(got: Any, want: Any, where: str = "") -> None:
-    if isinstance(want, torch.Tensor):
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert got.keys() == want.keys(), where
-        for key in want:
-            assert_same_state(got[key], want[key], f"{where}/{key}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for index, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same_state(g, w, f"{where}/{index}")
-    else:
-        assert got == want, where
-
-
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(("engine", "world_size"), with_engines([1, 2], on_mpi=[2]))
 @pytest.mark.slow
 def test_resume_in_fresh_processes_equals_an_uninterrupted_run(
-    world_size: int, tmp_path: Path
+    engine: str, world_size: int, tmp_path: Path
 ) -> None:
     path = str(tmp_path / "run.pt")
-    straight = run_workers(train_straight, 20, world_size=world_size)
-    run_workers(train_then_save, 10, path, world_size=world_size)
-    resumed = run_workers(load_then_train, 10, path, world_size=world_size)
+    straight = run_workers(train_straight, 20, world_size=world_size, engine=engine)
+    run_workers(train_then_save, 10, path, world_size=world_size, engine=engine)
+    resumed = run_workers(load_then_train, 10, path, world_size=world_size, engine=engine)
     for rank in range(world_size):
         assert_same_state(resumed[rank], straight[rank])
     assert resumed[0]["steps"] == 20

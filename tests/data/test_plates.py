@@ -22,7 +22,7 @@ from torch.distributions import constraints
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 N = 301  # divides by neither 2 nor 3
 PRIOR_SCALE = 10.0

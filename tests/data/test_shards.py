@@ -7,7 +7,7 @@ import torch
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 SIZE = 20
 

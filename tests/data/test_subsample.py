@@ -11,7 +11,7 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 SIZE = 20
 

@@ -20,14 +20,13 @@ import torch
 
 import pyro_distributed as pd
 
-from ..evaluation.test_loss import losses
-from ..evaluation.test_predictive import by_data, by_samples
-from ..harness import HorovodSuites, one_pytest_worker, run_workers
-from ..local.test_ownership import gathered_and_local_rows
-from ..local.test_ownership import train as train_locally
-from ..optim.test_consistency import drift
-from ..test_faults import nan_on_worker_one, uneven_epoch
-from ..test_runtime import _flags
+from ..support.collectives import flags
+from ..support.faults import drift, nan_on_worker_one, uneven_epoch
+from ..support.harness import HorovodSuites, one_pytest_worker, run_workers
+from ..support.loss import losses
+from ..support.ownership import gathered_and_local_rows
+from ..support.ownership import train as train_locally
+from ..support.predictive import by_data, by_samples
 
 pytestmark = [pytest.mark.horovod, one_pytest_worker(__name__)]
 
@@ -61,7 +60,7 @@ SUITES = HorovodSuites(
             ("losses", losses, (2,)),
             ("by_samples", by_samples, (0, "main")),
             ("by_data", by_data, (1,)),
-            ("flags", _flags, ()),
+            ("flags", flags, ()),
             ("owned", train_locally, (True, "adam", "hand")),
             ("replicated", train_locally, (False, "adam", "hand")),
             ("gathered", gathered_and_local_rows, ()),

@@ -24,7 +24,7 @@ from pyro_distributed.engines.launchers import (
 )
 from pyro_distributed.errors import PyroDistributedError
 
-from ..harness import free_port
+from ..support.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "join_and_report.py"

@@ -2,14 +2,13 @@
 
 Three kinds of test:
 
-* **The suite's own tests, on MPI.** :data:`ON_MPI` lists tests of the other
-  files; each runs here unchanged, with the same assertions, after
-  :data:`tests.harness.DEFAULT_ENGINE` is set to ``"mpi"``, so that every
-  ``run_workers`` in it starts its workers with ``mpiexec -n W`` (one launch
-  per call) instead of the gloo spawner: bitwise equality with one process,
-  overlap, ownership, checkpoints with block files, evaluation, Predictive,
-  the noise scale, schedulers, NaN skipping, compression. The calls share one
-  ``mpiexec`` launch per world size (``tests/mpi_pool.py``).
+* **The pool that runs the suite's own tests on MPI.** The multi-process tests
+  of the other files that also run on MPI take ``engine`` from their
+  parametrization (``with_engines`` and ``ENGINES`` in
+  ``tests/support/harness.py``); their ``mpi`` runs are collected in their own
+  files and marked ``mpi``, and every ``run_workers(..., engine="mpi")`` shares
+  one ``mpiexec`` launch per world size (``tests/support/mpi_pool.py``). Here:
+  that each call starts clean and a failure ends the pool.
 * **The engine's own collectives** in one ``mpiexec`` launch per world size
   (:data:`SCENARIOS`): detection, ranks, dtypes, errors.
 * **Faults and examples** as users meet them: scripts under ``mpiexec``, with
@@ -40,13 +39,18 @@ from pyro_distributed.checkpoint.files import load_file
 from pyro_distributed.engines import detect_engine
 from pyro_distributed.engines.network import own_addresses
 
-from .. import harness, test_examples, test_faults, test_runtime, test_semantics, test_vae_example
-from ..checkpoint import test_param_store
-from ..evaluation import test_loss, test_predictive
-from ..exchange import test_agreement, test_averager, test_compression, test_overlap
-from ..harness import WorkerFailure, run_under_launcher
-from ..local import test_blocks, test_ownership
-from ..optim import test_consistency, test_module_buffers, test_noise_scale, test_schedulers
+from ..support.examples import (
+    EXAMPLE,
+    QUICKSTART,
+    QUICKSTART_WIDTH,
+    check_outputs,
+    fitted_weights,
+    quickstart_posterior,
+    run,
+    run_example,
+)
+from ..support.faults import die_at_step_five
+from ..support.harness import WorkerFailure, run_under_launcher, run_workers
 
 PyroError = pd.PyroDistributedError
 
@@ -57,101 +61,7 @@ BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec")
 
 
-# --- the suite's own tests, on MPI -----------------------------------------------------------
-
-Case = Callable[[Path], None]
-
-ON_MPI: dict[str, Case] = {
-    # averaging and the front end
-    "fused average": lambda _: test_averager.test_fused_average_equals_the_per_tensor_average(),
-    "clipping after averaging": lambda _: (
-        test_semantics.test_clipping_applies_to_the_averaged_gradient()
-    ),
-    "every ELBO = one process": lambda _: test_semantics.test_every_elbo_matches_one_process(),
-    "every scheduler = one process": lambda _: (
-        test_schedulers.test_every_scheduler_matches_one_process()
-    ),
-    "ReduceLROnPlateau": lambda _: (
-        test_schedulers.test_reduce_lr_on_plateau_averages_the_loss_it_is_given()
-    ),
-    "flags, 3 workers": lambda _: test_runtime.test_any_worker_and_all_workers_agree_everywhere(),
-    "compressed fp16 within bound": lambda _: (
-        test_compression.test_compressed_average_is_within_the_documented_bound("fp16")
-    ),
-    # overlap with backward
-    "overlap bitwise: particles": lambda _: (
-        test_overlap.test_overlap_is_bitwise_equal_to_no_overlap("particles")
-    ),
-    "overlap bitwise: fp16": lambda _: test_overlap.test_overlap_is_bitwise_equal_to_no_overlap(
-        "fp16"
-    ),
-    "buckets leave during backward": lambda _: (
-        test_overlap.test_buckets_leave_during_backward_from_the_third_step()
-    ),
-    "a collective between backward and step": lambda _: (
-        test_overlap.test_a_collective_between_backward_and_step_does_not_pair_with_a_bucket()
-    ),
-    # local parameters
-    "ownership = replicated, W=3, AutoNormal": lambda _: (
-        test_ownership.test_ownership_changes_where_rows_live_not_the_numbers(3, "clipped", "auto")
-    ),
-    "gather_param, W=2": lambda _: (
-        test_ownership.test_gather_param_assembles_the_rows_in_order_on_worker_0(2)
-    ),
-    # checkpoints
-    "resume bitwise, W=2": lambda tmp: (
-        test_param_store.test_resume_in_fresh_processes_equals_an_uninterrupted_run(2, tmp)
-    ),
-    "block files: resume bitwise": lambda tmp: (
-        test_blocks.test_resume_at_the_same_world_size_is_bitwise(tmp)
-    ),
-    "block files: elastic 2 to 3": lambda tmp: (
-        test_blocks.test_elastic_resume_repartitions_the_blocks(tmp, 2, 3)
-    ),
-    "block files: failed save": lambda tmp: (
-        test_blocks.test_a_failed_save_leaves_the_previous_checkpoint_intact_and_complete(tmp)
-    ),
-    # evaluation, prediction, the posterior of all the data
-    "evaluate_loss, every row once, W=3": lambda _: (
-        test_loss.test_every_row_is_evaluated_exactly_once(3)
-    ),
-    "Predictive seeded = one process, W=3": lambda _: (
-        test_predictive.test_seeded_samples_are_the_one_process_samples_at_any_world_size(3)
-    ),
-    # the noise scale
-    "noise-scale norms exact": lambda _: (
-        test_noise_scale.test_norms_equal_those_of_the_gathered_gradients(True, "none", 1e-4)
-    ),
-    # faults that are not crashes
-    "NaN skipped everywhere": lambda _: (
-        test_faults.test_nan_on_one_worker_makes_every_worker_skip_the_step()
-    ),
-    "drift of a parameter named": lambda _: (
-        test_consistency.test_drift_is_caught_by_check_every_and_names_param_and_workers(
-            "param", "parameter 'p'"
-        )
-    ),
-    "dtype mismatch named": lambda _: test_agreement.test_dtype_mismatch_names_param_and_dtypes(),
-    # module buffers
-    "BatchNorm statistics averaged, W=3": lambda _: (
-        test_module_buffers.test_batchnorm_statistics_are_the_same_on_every_worker_after_every_step(
-            3, "PyroModule"
-        )
-    ),
-}
-
-
-@pytest.fixture
-def on_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every ``run_workers`` that names no engine starts its workers with ``mpiexec``."""
-    monkeypatch.setattr(harness, "DEFAULT_ENGINE", "mpi")
-
-
-@pytest.mark.parametrize("case", list(ON_MPI))
-@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
-@pytest.mark.usefixtures("on_mpi")
-def test_on_mpi(case: str, tmp_path: Path) -> None:
-    ON_MPI[case](tmp_path)
+# --- the pool that runs the MPI runs of the other files' tests ----------------------------------
 
 
 def pid_and_validation(raise_on: int) -> tuple[int, bool]:
@@ -167,21 +77,20 @@ def pid_and_validation(raise_on: int) -> tuple[int, bool]:
     return os.getpid(), clean
 
 
-@pytest.mark.usefixtures("on_mpi")
 def test_pooled_calls_start_clean_and_a_failure_ends_the_pool_with_every_report() -> None:
     """The calls of ``run_workers`` on MPI share one ``mpiexec`` per world size
-    (``tests/mpi_pool.py``): each call finds what the last one switched put back,
+    (``tests/support/mpi_pool.py``): each call finds what the last one switched put back,
     a failing call names the raising worker's error and ends the pool, and the
     next call gets a fresh pool."""
-    first = harness.run_workers(pid_and_validation, -1)
-    second = harness.run_workers(pid_and_validation, -1)
+    first = run_workers(pid_and_validation, -1, engine="mpi")
+    second = run_workers(pid_and_validation, -1, engine="mpi")
     assert [pid for pid, _ in first] == [pid for pid, _ in second]  # the same processes
     assert all(clean for _, clean in first + second)
     with pytest.raises(WorkerFailure) as info:
-        harness.run_workers(pid_and_validation, 1)
+        run_workers(pid_and_validation, 1, engine="mpi")
     assert "worker 1 fails on purpose" in info.value.reports[1]
     assert 0 in info.value.results or "died without reporting" in info.value.reports[0]
-    after = harness.run_workers(pid_and_validation, -1)
+    after = run_workers(pid_and_validation, -1, engine="mpi")
     assert not {pid for pid, _ in after} & {pid for pid, _ in first}  # a fresh launch
     assert all(clean for _, clean in after)
 
@@ -478,7 +387,7 @@ def test_a_hung_worker_is_detected_after_the_time_out_and_the_job_aborted(tmp_pa
 def hang_with_short_timeout(checkpoint: str) -> dict[str, Any]:
     pd.shutdown()
     pd.init("mpi", timeout=3)
-    return test_faults.die_at_step_five("hang", checkpoint)
+    return die_at_step_five("hang", checkpoint)
 
 
 def test_the_survivor_of_a_hang_names_the_collective_and_keeps_the_checkpoint(
@@ -486,7 +395,7 @@ def test_the_survivor_of_a_hang_names_the_collective_and_keeps_the_checkpoint(
 ) -> None:
     checkpoint = tmp_path / "run.pt"
     with pytest.raises(WorkerFailure) as info:  # worker 1 is ended by worker 0's abort
-        harness.run_workers(hang_with_short_timeout, str(checkpoint), engine="mpi", timeout=60)
+        run_workers(hang_with_short_timeout, str(checkpoint), engine="mpi", timeout=60)
     assert set(info.value.reports) == {1}
     survivor = info.value.results[0]
     assert "failed on worker 0 of 2" in survivor["message"]
@@ -504,26 +413,26 @@ def mpiexec(workers: int) -> list[str]:
 
 
 def test_vae_example_runs_under_mpiexec_on_two_workers(tmp_path: Path) -> None:
-    output = test_vae_example.run_example(mpiexec(2), tmp_path)
-    test_vae_example.check_outputs(output, tmp_path, workers=2)
+    output = run_example(mpiexec(2), tmp_path)
+    check_outputs(output, tmp_path, workers=2)
 
 
 def test_quickstart_under_mpiexec_gives_the_posterior_of_all_the_data() -> None:
-    output = test_examples.run([*mpiexec(2), str(test_examples.QUICKSTART)])
-    means, widths = test_examples.quickstart_posterior(output)
+    output = run([*mpiexec(2), str(QUICKSTART)])
+    means, widths = quickstart_posterior(output)
     for mean, true in zip(means, [2.0, -1.0, 0.5], strict=True):
         assert abs(mean - true) < 0.02
     for width in widths:
-        assert abs(width / test_examples.QUICKSTART_WIDTH - 1) < 0.2, widths
+        assert abs(width / QUICKSTART_WIDTH - 1) < 0.2, widths
     assert output.count("predictions: (1000, 1001)") == 1, "gathered on worker 0 only"
 
 
 def test_regression_example_runs_under_mpiexec_and_resumes(tmp_path: Path) -> None:
     checkpoint = tmp_path / "run.pt"
-    args = [str(test_examples.EXAMPLE), "--steps=600", f"--checkpoint={checkpoint}"]
-    output = test_examples.run([*mpiexec(2), *args])
+    args = [str(EXAMPLE), "--steps=600", f"--checkpoint={checkpoint}"]
+    output = run([*mpiexec(2), *args])
     assert output.count("training on 2 worker(s)") == 1, "only worker 0 prints"
-    for fitted, true in zip(test_examples.fitted_weights(output), [2.0, -1.0, 0.5], strict=True):
+    for fitted, true in zip(fitted_weights(output), [2.0, -1.0, 0.5], strict=True):
         assert abs(fitted - true) < 0.1
     assert load_file(checkpoint)["world_size"] == 2
 

@@ -1,4 +1,5 @@
-"""Workers on separate hosts: torchrun across network-namespace hosts (``tests/cluster.py``).
+"""Workers on separate hosts: torchrun across network-namespace hosts
+(``tests/support/cluster.py``).
 
 Each host resolves its own name to loopback, as stock Debian and Ubuntu nodes
 do; nothing is set by hand (no ``GLOO_SOCKET_IFNAME``), as a new user would
@@ -7,9 +8,7 @@ run the README's line on two nodes.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -20,30 +19,18 @@ import torch
 
 from pyro_distributed.checkpoint.files import load_file
 
-from ..cluster import Host, NamespaceCluster
-from ..harness import free_port
-from ..lightning.reference import (
+from ..support.cluster import Host, NamespaceCluster
+from ..support.harness import free_port
+from ..support.lightning_reference import (
     FIT_EPOCHS,
+    assert_each_epoch_shares_the_rows,
+    assert_in_sync,
     fit_on_lightnings_own_launcher,
     fit_regression_options,
 )
-from ..lightning.test_strategy import assert_each_epoch_shares_the_rows, assert_in_sync
+from ..support.multihost import ENGINE_TIMEOUT, ROOT, SCRIPT, environment, finish, wait_for_steps
 
 pytestmark = pytest.mark.cluster
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "scripts" / "multihost_train.py"
-#: The engine's time-out inside these runs: every failure must end a host within it.
-ENGINE_TIMEOUT = 20.0
-
-
-def _environment() -> dict[str, str]:
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if name not in ("GLOO_SOCKET_IFNAME", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
 def _torchrun(
@@ -65,32 +52,16 @@ def _torchrun(
             "--nproc-per-node", "1", "--master-addr", master, "--master-port", str(port),
             *script,
         ]  # fmt: skip
-        env_here = {**_environment(), **(env or {}).get(host, {})}
+        env_here = {**environment(), **(env or {}).get(host, {})}
         processes.append(cluster.start(host, command, env=env_here, cwd=ROOT))
     return processes
-
-
-def _finish(processes: list[subprocess.Popen[str]], within: float) -> list[tuple[int, str, float]]:
-    """Each process's exit code, output and when it ended (seconds from now); a
-    process still running after ``within`` seconds fails the test."""
-    start, ended = time.monotonic(), []
-    for process in processes:
-        try:
-            output, _ = process.communicate(timeout=max(0.1, start + within - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            # The whole process group: a worker left alive would hold the pipe open.
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            pytest.fail(f"a host was still running {within:g} s later:\n{output[-4000:]}")
-        ended.append((process.returncode, output, time.monotonic() - start))
-    return ended
 
 
 def test_torchrun_across_two_hosts_trains_one_model_with_nothing_set_by_hand(
     tmp_path: Path,
 ) -> None:
     with NamespaceCluster(2, rate="1gbit") as cluster:
-        outcomes = _finish(_torchrun(cluster, tmp_path, steps=1000), within=180)
+        outcomes = finish(_torchrun(cluster, tmp_path, steps=1000), within=180)
     for code, output, _ in outcomes:
         assert code == 0, output[-4000:]
     workers = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
@@ -106,7 +77,7 @@ def test_torchrun_across_two_hosts_trains_one_model_with_nothing_set_by_hand(
     alone.mkdir()
     subprocess.run(
         [sys.executable, str(SCRIPT), str(alone), "1000"],
-        env={**_environment(), "OMP_NUM_THREADS": "1"}, cwd=ROOT, check=True, timeout=120,
+        env={**environment(), "OMP_NUM_THREADS": "1"}, cwd=ROOT, check=True, timeout=120,
     )  # fmt: skip
     single = torch.load(alone / "rank0.pt")["params"]
     together = workers[0]["params"]
@@ -123,7 +94,7 @@ def test_lightning_across_two_hosts_trains_what_its_own_launcher_trains_on_one(
     options = fit_regression_options(out, devices=1)
     with NamespaceCluster(2, rate="1gbit") as cluster:
         script = [*options, "--num-nodes", "2"]
-        outcomes = _finish(_torchrun(cluster, out, steps=0, script=script), within=240)
+        outcomes = finish(_torchrun(cluster, out, steps=0, script=script), within=240)
     for code, output, _ in outcomes:
         assert code == 0, output[-4000:]
     records = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
@@ -141,7 +112,7 @@ def test_lightning_across_two_hosts_trains_what_its_own_launcher_trains_on_one(
 def test_a_worker_that_would_listen_on_loopback_stops_every_host_at_once(tmp_path: Path) -> None:
     with NamespaceCluster(2) as cluster:
         on_loopback = {cluster.hosts[1]: {"GLOO_SOCKET_IFNAME": "lo"}}
-        outcomes = _finish(_torchrun(cluster, tmp_path, steps=5, env=on_loopback), within=60)
+        outcomes = finish(_torchrun(cluster, tmp_path, steps=5, env=on_loopback), within=60)
     for code, output, seconds in outcomes:
         assert code != 0
         assert "GLOO_SOCKET_IFNAME" in output, output[-4000:]
@@ -160,37 +131,13 @@ def test_lightning_with_workers_on_loopback_stops_every_host_naming_them(tmp_pat
     with NamespaceCluster(2) as cluster:
         on_loopback = {host: {"GLOO_SOCKET_IFNAME": "lo"} for host in cluster.hosts}
         started = _torchrun(cluster, out, steps=0, script=script, env=on_loopback)
-        outcomes = _finish(started, within=180)
+        outcomes = finish(started, within=180)
     for code, output, seconds in outcomes:
         assert code != 0
         for host in ("host0", "host1"):
             assert f"127.0.0.1 (interface lo) on host {host}" in output, output[-4000:]
         # Start-up (Lightning's imports on a busy machine) takes most of this.
         assert seconds < 120, (seconds, output[-4000:])
-
-
-#: The faults strike after this step: by then the exchange has opened its
-#: channel for the overlapped buckets (a process group of its own, made early
-#: in training), so a fault hits training; the next test cuts a link during
-#: that set-up.
-FAULT_AFTER_STEP = 5
-
-
-def _step(out: Path, rank: int) -> int:
-    try:
-        return int((out / f"step{rank}").read_text() or -1)
-    except (OSError, ValueError):
-        return -1
-
-
-def _wait_for_steps(out: Path, ranks: int, processes: list[subprocess.Popen[str]]) -> None:
-    """Until every worker is past :data:`FAULT_AFTER_STEP`."""
-    deadline = time.monotonic() + 120
-    while not all(_step(out, r) >= FAULT_AFTER_STEP for r in range(ranks)):
-        if any(p.poll() is not None for p in processes) or time.monotonic() > deadline:
-            outputs = [p.communicate(timeout=30)[0][-3000:] for p in processes]
-            pytest.fail("the run ended or stalled before its first steps:\n" + "\n".join(outputs))
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("hosts", [2, 3])
@@ -200,13 +147,13 @@ def test_a_lost_host_stops_every_survivor_within_the_time_out(
 ) -> None:
     with NamespaceCluster(hosts) as cluster:
         processes = _torchrun(cluster, tmp_path, steps=100_000)
-        _wait_for_steps(tmp_path, hosts, processes)
+        wait_for_steps(tmp_path, hosts, processes)
         lost = cluster.hosts[-1]
         if fault == "killed":
             cluster.kill_host(lost)
         else:
             cluster.cut_link(lost)
-        survivors = _finish(processes[:-1], within=ENGINE_TIMEOUT + 30)
+        survivors = finish(processes[:-1], within=ENGINE_TIMEOUT + 30)
     for code, output, _ in survivors:
         assert code != 0
         assert "PyroDistributedError" in output, output[-4000:]
@@ -234,7 +181,7 @@ def test_a_link_cut_while_the_channel_is_made_stops_every_survivor_within_the_ti
             time.sleep(0.1)
         lost = cluster.hosts[-1]
         cluster.cut_link(lost)
-        [(code, output, _)] = _finish(processes[:-1], within=ENGINE_TIMEOUT + 30)
+        [(code, output, _)] = finish(processes[:-1], within=ENGINE_TIMEOUT + 30)
     assert code != 0
     assert "PyroDistributedError: creating a process group failed" in output, output[-4000:]
     assert f"worker 1 on host {lost.name}" in output, output[-4000:]
@@ -259,7 +206,7 @@ def _elastic_agent(
         "--rdzv-id", "job", "--rdzv-conf", f"is_host={int(serves)}", "--local-addr", host.address,
         str(REGRESSION), "--steps=200", "--checkpoint-every=50", f"--checkpoint={checkpoint}",
     ]  # fmt: skip
-    env = {**_environment(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**environment(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return cluster.start(host, command, env=env, cwd=ROOT)
 
 
@@ -279,7 +226,7 @@ def test_a_host_restarted_by_hand_rejoins_and_the_run_resumes_bitwise(tmp_path: 
     clean, crashed = tmp_path / "clean.pt", tmp_path / "crashed.pt"
     with NamespaceCluster(2) as cluster:
         port = free_port()
-        for code, output, _ in _finish(
+        for code, output, _ in finish(
             [_elastic_agent(cluster, host, port, clean) for host in cluster.hosts], within=180
         ):
             assert code == 0, output[-4000:]
@@ -294,7 +241,7 @@ def test_a_host_restarted_by_hand_rejoins_and_the_run_resumes_bitwise(tmp_path: 
         cluster.kill_host(cluster.hosts[1])
         lost.communicate(timeout=30)
         again = _elastic_agent(cluster, cluster.hosts[1], port, crashed)
-        outcomes = _finish([first, again], within=180)
+        outcomes = finish([first, again], within=180)
     for code, output, _ in outcomes:
         assert code == 0, output[-4000:]
     survivor, both = outcomes[0][1], "\n".join(output for _, output, _ in outcomes)

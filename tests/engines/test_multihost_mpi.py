@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from ..cluster import NamespaceCluster
-from .test_multihost import ENGINE_TIMEOUT, SCRIPT, _environment, _finish, _wait_for_steps
-from .test_slurm import QUICKSTART, REPORT, assert_one_model
+from ..support.cluster import NamespaceCluster
+from ..support.examples import QUICKSTART, REPORT, assert_one_model
+from ..support.multihost import ENGINE_TIMEOUT, SCRIPT, environment, finish, wait_for_steps
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
 
@@ -37,21 +37,21 @@ def _mpiexec(cluster: NamespaceCluster, launcher: Path, *program: str) -> subpro
         MPIEXEC, "-launcher", "ssh", "-launcher-exec", str(launcher), "-hosts", hosts,
         "-n", str(len(cluster.hosts)), "-ppn", "1", *program,
     ]  # fmt: skip
-    env = {**_environment(), **OVER_THE_NETWORK}
+    env = {**environment(), **OVER_THE_NETWORK}
     return cluster.start(cluster.hosts[0], command, env=env, cwd=ROOT)
 
 
 def test_mpiexec_across_two_hosts_trains_what_it_trains_on_one(tmp_path: Path) -> None:
     with NamespaceCluster(2, rate="1gbit") as cluster:
         launcher = cluster.hydra_launcher(tmp_path)
-        process = _mpiexec(cluster, launcher, sys.executable, "-c", REPORT, QUICKSTART)
-        [(code, across, _)] = _finish([process], within=180)
+        process = _mpiexec(cluster, launcher, sys.executable, "-c", REPORT, str(QUICKSTART))
+        [(code, across, _)] = finish([process], within=180)
     assert code == 0, across[-4000:]
     hosts = assert_one_model(across, "mpi", 2, per_node=1)
 
     one_host = subprocess.run(
-        [MPIEXEC, "-n", "2", sys.executable, "-c", REPORT, QUICKSTART],
-        env=_environment(), cwd=ROOT, capture_output=True, text=True, timeout=180, check=False,
+        [MPIEXEC, "-n", "2", sys.executable, "-c", REPORT, str(QUICKSTART)],
+        env=environment(), cwd=ROOT, capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     assert one_host.returncode == 0, one_host.stderr[-4000:]
     here = assert_one_model(one_host.stdout, "mpi", 2)
@@ -69,14 +69,14 @@ def test_a_lost_host_ends_the_mpi_job_within_the_time_out(tmp_path: Path, fault:
         launcher = cluster.hydra_launcher(tmp_path)
         program = [sys.executable, str(SCRIPT), str(out), "100000", str(ENGINE_TIMEOUT)]
         process = _mpiexec(cluster, launcher, *program)
-        _wait_for_steps(out, 2, [process])
+        wait_for_steps(out, 2, [process])
         lost = cluster.hosts[1]
         start = time.monotonic()
         if fault == "killed":
             cluster.kill_host(lost)
         else:
             cluster.cut_link(lost)
-        [(code, output, _)] = _finish([process], within=ENGINE_TIMEOUT + 30)
+        [(code, output, _)] = finish([process], within=ENGINE_TIMEOUT + 30)
         elapsed = time.monotonic() - start
     assert code != 0, output[-4000:]
     if fault == "killed":

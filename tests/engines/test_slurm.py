@@ -1,4 +1,4 @@
-"""The scripts users launch with ``srun``, under a real one-node Slurm (``tests/slurm.py``).
+"""The scripts users launch with ``srun``, under a real one-node Slurm (``tests/support/slurm.py``).
 
 Each scenario is one ``srun`` step, shared by the tests that read it:
 ``examples/quickstart.py`` on 2 tasks with ``--mpi=pmi2`` (the MPI engine)
@@ -29,37 +29,25 @@ import torch
 
 from pyro_distributed.engines.launchers import slurm_step_port
 
-from .. import slurm
-from ..lightning.reference import FIT_EPOCHS, fit_on_lightnings_own_launcher, fit_regression_options
-from ..lightning.test_strategy import assert_each_epoch_shares_the_rows, assert_in_sync
-from ..test_examples import QUICKSTART_WIDTH, quickstart_posterior
+from ..support import slurm
+from ..support.examples import (
+    REPORT,
+    assert_one_model,
+    tasks,
+)
+from ..support.lightning_reference import (
+    FIT_EPOCHS,
+    assert_each_epoch_shares_the_rows,
+    assert_in_sync,
+    fit_on_lightnings_own_launcher,
+    fit_regression_options,
+)
 
 pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = "examples/quickstart.py"
 JOIN_AND_REPORT = "tests/scripts/join_and_report.py"
-
-#: Runs the script named first as ``__main__``, then reports what this task joined.
-REPORT = """
-import hashlib, runpy, sys
-import pyro
-import pyro_distributed as pd
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-engine = pd.current_engine()
-digest = hashlib.sha256()
-store = pyro.get_param_store()
-for name in sorted(store.keys()):
-    digest.update(name.encode())
-    digest.update(store[name].detach().cpu().contiguous().numpy().tobytes())
-sys.stdout.write(f"task {engine.rank} local {engine.local_rank} engine {engine.name} "
-                 f"world {engine.world_size} params {digest.hexdigest()}\\n")
-sys.stdout.flush()
-"""
-# Not anchored to a line: an unbuffered print() writes its text and its newline
-# in two writes, and the launcher may put another task's line between them.
-_TASK = re.compile(r"task (\d+) local (\d+) engine (\S+) world (\d+) params ([0-9a-f]{64})")
 
 
 @functools.cache
@@ -68,40 +56,6 @@ def quickstart(*options: str) -> str:
     code, output = slurm.srun(options, ["python", "-c", REPORT, QUICKSTART])
     assert code == 0, f"srun {' '.join(options)}: exit {code}\n{output[-6000:]}"
     return output
-
-
-def tasks(output: str) -> dict[int, dict[str, Any]]:
-    """What each task reported, by rank (each rank once)."""
-    found = [match.groups() for match in _TASK.finditer(output)]
-    reports = {
-        int(rank): {"local": int(local), "engine": engine, "world": int(world), "params": params}
-        for rank, local, engine, world, params in found
-    }
-    assert len(reports) == len(found), output
-    return reports
-
-
-def assert_one_model(
-    output: str, engine: str, world_size: int, per_node: int | None = None
-) -> dict[int, dict[str, Any]]:
-    """Every task joined ``engine`` in one world of ``world_size`` (``per_node``
-    tasks on each node, all on one by default) and ends with the same
-    parameters; worker 0 alone printed the posterior of all the data."""
-    reports = tasks(output)
-    assert sorted(reports) == list(range(world_size)), output
-    for rank, report in reports.items():
-        assert (report["engine"], report["world"]) == (engine, world_size), output
-        assert report["local"] == rank % (per_node or world_size), output
-    assert len({report["params"] for report in reports.values()}) == 1, "workers diverged"
-    # tests/test_examples.py's check of the example, on every launcher.
-    assert output.count("predictions: (1000, 1001)") == 1, "gathered on worker 0 only"
-    assert output.count("step 0: loss") == 1, "only worker 0 prints"
-    means, widths = quickstart_posterior(output)
-    for mean, true in zip(means, [2.0, -1.0, 0.5], strict=True):
-        assert abs(mean - true) < 0.02, means
-    for width in widths:
-        assert abs(width / QUICKSTART_WIDTH - 1) < 0.2, widths
-    return reports
 
 
 def posterior_line(output: str) -> str:

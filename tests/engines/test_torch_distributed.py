@@ -11,7 +11,7 @@ import torch
 import pyro_distributed as pd
 from pyro_distributed.engines import detect_engine
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 
 @pytest.fixture(autouse=True)

@@ -7,56 +7,22 @@ data, a deterministic site shows that every data point lands in its place.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
-import pyro
-import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
-
-N = 7  # data points: divides by neither 2 nor 3
-SAMPLES = 10  # divides by neither 3 nor 4
+from ..support.harness import run_workers, with_engines
+from ..support.predictive import SAMPLES, N, by_data, by_samples, data, model, trained_guide
 
 
-def data() -> torch.Tensor:
-    return torch.linspace(-1.0, 1.0, N)
-
-
-def model(x: torch.Tensor) -> None:
-    slope = pyro.sample("slope", dist.Normal(0.0, 1.0))
-    with pd.data_plate("data", x):
-        pyro.deterministic("mean", slope * x)
-        local = pyro.sample("local", dist.Normal(0.0, 1.0))
-        pyro.sample("y", dist.Normal(slope * x + local, 0.5), obs=None)
-
-
-def trained_guide() -> AutoNormal:
-    # Only the global site is guided; the same parameters on every worker.
-    guide = AutoNormal(pyro.poutine.block(model, expose=["slope"]))
-    torch.manual_seed(0)
-    guide(data())
-    return guide
-
-
-def by_samples(seed: int | None, gather: str) -> Any:
-    if seed is None:
-        pd.set_rng_seed(3)
-    predictive = pd.Predictive(
-        model, guide=trained_guide(), num_samples=SAMPLES, seed=seed, gather=gather
-    )
-    return predictive(data())
-
-
-@pytest.mark.parametrize("workers", [2, 3, 4])
-def test_seeded_samples_are_the_one_process_samples_at_any_world_size(workers: int) -> None:
-    (alone,) = run_workers(by_samples, 0, "main", world_size=1)
-    results = run_workers(by_samples, 0, "main", world_size=workers)
+@pytest.mark.parametrize(("engine", "workers"), with_engines([2, 3, 4], on_mpi=[3]))
+def test_seeded_samples_are_the_one_process_samples_at_any_world_size(
+    engine: str, workers: int
+) -> None:
+    (alone,) = run_workers(by_samples, 0, "main", world_size=1, engine=engine)
+    results = run_workers(by_samples, 0, "main", world_size=workers, engine=engine)
     assert all(result is None for result in results[1:]), "gathered on worker 0 only"
     assert results[0].keys() == alone.keys() == {"slope", "mean", "local", "y"}
     for name, value in alone.items():
@@ -75,12 +41,6 @@ def test_gather_all_and_unseeded_draws_keep_one_process_shapes() -> None:
     # Every worker was seeded alike (trained_guide seeds torch last), yet each
     # drew its own samples: seeds are mixed with the rank.
     assert len(set(first["slope"].flatten().tolist())) == SAMPLES
-
-
-def by_data(seed: int | None) -> Any:
-    slopes = torch.linspace(0.5, 2.0, SAMPLES)
-    predictive = pd.Predictive(model, posterior_samples={"slope": slopes}, split="data", seed=seed)
-    return predictive(data())
 
 
 @pytest.mark.parametrize("workers", [2, 3])

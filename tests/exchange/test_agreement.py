@@ -24,8 +24,8 @@ from pyro_distributed.exchange.agreement import (
     digests_equal,
 )
 
-from ..harness import CountingEngine, run_workers
-from ..models import regression_data
+from ..support.harness import ENGINES, CountingEngine, run_workers
+from ..support.models import regression_data
 
 
 def _extra_param_on_worker_one() -> tuple[str, str, float]:
@@ -85,8 +85,9 @@ def dtype_mismatch() -> str:
     return str(info.value)
 
 
-def test_dtype_mismatch_names_param_and_dtypes() -> None:
-    message = run_workers(dtype_mismatch)[0]
+@pytest.mark.parametrize("engine", ENGINES)
+def test_dtype_mismatch_names_param_and_dtypes(engine: str) -> None:
+    message = run_workers(dtype_mismatch, engine=engine)[0]
     assert "'p' differs in shape or dtype" in message
     assert "worker 0: shape [2], torch.float32" in message
     assert "worker 1: shape [2], torch.float64" in message

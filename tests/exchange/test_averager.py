@@ -15,8 +15,8 @@ import pyro_distributed as pd
 from pyro_distributed.exchange.averager import GradientAverager, Reduction
 from pyro_distributed.exchange.compression import compressor
 
-from ..harness import CountingEngine, run_workers
-from ..optim.test_noise_scale import exact_norms
+from ..support.harness import ENGINES, CountingEngine, run_workers
+from ..support.noise_scale import exact_norms
 
 
 def _fused_and_per_tensor_means() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -33,8 +33,9 @@ def _fused_and_per_tensor_means() -> tuple[list[torch.Tensor], list[torch.Tensor
     return [p.grad for p in params], expected  # type: ignore[misc]
 
 
-def test_fused_average_equals_the_per_tensor_average() -> None:
-    for fused, expected in run_workers(_fused_and_per_tensor_means):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fused_average_equals_the_per_tensor_average(engine: str) -> None:
+    for fused, expected in run_workers(_fused_and_per_tensor_means, engine=engine):
         for got, want in zip(fused, expected, strict=True):
             assert got.shape == want.shape
             assert torch.allclose(got, want, rtol=0, atol=1e-7)

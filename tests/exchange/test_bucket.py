@@ -16,7 +16,7 @@ from pyro_distributed.exchange.averager import GradientAverager, Reduction
 from pyro_distributed.exchange.bucket import Layout, plan_layouts
 from pyro_distributed.exchange.hooks import AverageHook
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 
 def test_buckets_group_by_dtype_in_order_of_first_appearance() -> None:

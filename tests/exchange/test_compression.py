@@ -8,7 +8,7 @@ import torch
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
+from ..support.harness import run_workers, with_engines
 
 UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 
@@ -28,9 +28,9 @@ def compressed_average(compression: str, large: bool) -> torch.Tensor:
     return p.grad.clone()
 
 
-@pytest.mark.parametrize("compression", ["fp16", "bf16"])
-def test_compressed_average_is_within_the_documented_bound(compression: str) -> None:
-    first, second = run_workers(compressed_average, compression, False)
+@pytest.mark.parametrize(("engine", "compression"), with_engines(["fp16", "bf16"], on_mpi=["fp16"]))
+def test_compressed_average_is_within_the_documented_bound(engine: str, compression: str) -> None:
+    first, second = run_workers(compressed_average, compression, False, engine=engine)
     assert torch.equal(first, second)
     grads = torch.stack([local_gradient(0), local_gradient(1)])
     exact = grads.mean(0)

@@ -23,8 +23,8 @@ from pyro_distributed.exchange.averager import GradientAverager, Reduction
 from pyro_distributed.exchange.overlap import BackwardOverlap
 from pyro_distributed.exchange.sync import GradientSync
 
-from ..harness import CountingEngine, run_workers
-from ..models import param_values, regression_data
+from ..support.harness import ENGINES, CountingEngine, run_workers, with_engines
+from ..support.models import param_values, regression_data
 
 WEIGHTS = 24
 DIM = 16
@@ -102,11 +102,15 @@ def _both_ways(scenario: str, cap_mb: float = SMALL_CAP_MB) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    "scenario", ["plain", "particles", "clipped", "differing", "fp16", "diagnostic"]
+    ("engine", "scenario"),
+    with_engines(
+        ["plain", "particles", "clipped", "differing", "fp16", "diagnostic"],
+        on_mpi=["particles", "fp16"],
+    ),
 )
 @pytest.mark.slow
-def test_overlap_is_bitwise_equal_to_no_overlap(scenario: str) -> None:
-    results = run_workers(_both_ways, scenario)
+def test_overlap_is_bitwise_equal_to_no_overlap(engine: str, scenario: str) -> None:
+    results = run_workers(_both_ways, scenario, engine=engine)
     for rank, result in enumerate(results):
         assert result["armed"], f"worker {rank} never overlapped"
         assert result["with"].keys() == result["without"].keys()
@@ -182,8 +186,9 @@ def _collectives_by_phase(
     return phases
 
 
-def test_buckets_leave_during_backward_from_the_third_step() -> None:
-    first, second, third, fourth = run_workers(_collectives_by_phase, 4)[0]
+@pytest.mark.parametrize("engine", ENGINES)
+def test_buckets_leave_during_backward_from_the_third_step(engine: str) -> None:
+    first, second, third, fourth = run_workers(_collectives_by_phase, 4, engine=engine)[0]
     # Step 1 makes the plan (and broadcasts the new parameters); hooks go in.
     # The step's one-time check that every worker found the same module buffers
     # (none here) follows it: once, not at later steps.
@@ -231,8 +236,9 @@ def _other_collective_between_backward_and_step() -> dict[str, Any]:
     return {"means": means, "params": param_values(), "armed": optim.sync.overlap_armed}
 
 
-def test_a_collective_between_backward_and_step_does_not_pair_with_a_bucket() -> None:
-    results = run_workers(_other_collective_between_backward_and_step)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_collective_between_backward_and_step_does_not_pair_with_a_bucket(engine: str) -> None:
+    results = run_workers(_other_collective_between_backward_and_step, engine=engine)
     for step, mean in enumerate(results[0]["means"]):
         assert float(mean) == step + 0.5
     assert results[0]["armed"] and results[1]["armed"]

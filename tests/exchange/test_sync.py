@@ -15,7 +15,7 @@ import pyro_distributed as pd
 from pyro_distributed.exchange.averager import Reduction
 from pyro_distributed.exchange.sync import GradientSync
 
-from ..harness import CountingEngine, run_workers
+from ..support.harness import CountingEngine, run_workers
 
 CAP = 16  # bytes: four float32 values, so that w and v travel in buckets of their own
 

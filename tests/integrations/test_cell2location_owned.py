@@ -145,7 +145,7 @@ def test_each_worker_reads_only_its_spots_and_trains_as_from_memory(
 
 # -- checkpoints through Lightning: c2l_checkpoint.py
 
-CHECKPOINT_SCRIPT = Path(__file__).with_name("c2l_checkpoint.py")
+CHECKPOINT_SCRIPT = Path(__file__).parent / "scripts" / "c2l_checkpoint.py"
 
 
 def checkpoint_run(out: Path, tag: str, *extra: str, devices: int) -> None:

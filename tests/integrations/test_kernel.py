@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ..spawn.test_notebooks import execute, notebook_of, output_of
+from ..support.notebooks import execute, notebook_of, output_of
 
 pytestmark = [
     pytest.mark.integrations,

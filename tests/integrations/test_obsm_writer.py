@@ -20,7 +20,7 @@ from pyro_distributed import runtime
 from pyro_distributed.lightning import obsm_writer
 from pyro_distributed.lightning.obsm_writer import write_owned_obsm
 
-from ..harness import CountingEngine, WorkerFailure, run_workers
+from ..support.harness import CountingEngine, WorkerFailure, run_workers
 
 pytestmark = [
     pytest.mark.integrations,

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from ..harness import run_script
+from ..support.harness import run_script
 
 pytestmark = pytest.mark.integrations
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from ..harness import free_port
+from ..support.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fit_batchnorm.py"

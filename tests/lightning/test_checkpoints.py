@@ -21,9 +21,9 @@ import torch
 from pyro_distributed import safe_files
 from pyro_distributed.lightning import PyroDistributedStrategy
 
-from ..harness import one_pytest_worker
+from ..support.harness import one_pytest_worker
+from ..support.lightning_reference import fit, launch
 from .scripts.fit_regression import N, listing
-from .test_strategy import fit, launch
 
 pytestmark = one_pytest_worker(__name__)  # every test reads the runs of `written`
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..spawn.test_notebooks import execute, notebook_of, output_of
+from ..support.notebooks import execute, notebook_of, output_of
 
 SIZE = 400
 

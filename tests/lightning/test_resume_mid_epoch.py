@@ -24,7 +24,7 @@ import pytest
 import torch
 from packaging.version import Version
 
-from ..harness import run_script
+from ..support.harness import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "resume_mid_epoch.py"

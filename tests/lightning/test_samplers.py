@@ -25,7 +25,7 @@ from torch.utils.data import (
 import pyro_distributed as pd
 from pyro_distributed.lightning.data import shard_loader
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 ROWS = 50
 

@@ -19,50 +19,15 @@ import torch
 
 from pyro_distributed import safe_files
 
-from ..harness import free_port, one_pytest_worker, run_script
+from ..support.harness import one_pytest_worker
+from ..support.lightning_reference import (
+    ROOT,
+    assert_each_epoch_shares_the_rows,
+    assert_in_sync,
+    fit,
+    launch,
+)
 from .scripts.fit_regression import N_TEST, N_VAL, SIGMA, N, make_data
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "fit_regression.py"
-BIN = Path(sys.executable).parent
-
-
-def launch(
-    tmp_path: Path,
-    *options: str,
-    workers: int = 2,
-    torchrun: bool = False,
-    horovodrun: bool = False,
-    mpiexec: bool = False,
-    timeout: float = 300,
-) -> tuple[int, str]:
-    """Run the script on ``workers`` workers; its exit code and the end of its output.
-
-    Lightning's own launcher by default (``--devices workers``), else the
-    outside launcher named, which starts every worker itself.
-    """
-    out = tmp_path / "out"
-    command = [sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(workers), *options]
-    if horovodrun:
-        command = [
-            str(BIN / "horovodrun"), "--gloo", "-np", str(workers), "-H", f"localhost:{workers}",
-            *command,
-        ]  # fmt: skip
-    if torchrun:
-        command = [
-            str(BIN / "torchrun"), f"--nproc-per-node={workers}", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}", *command[1:],
-        ]  # fmt: skip
-    if mpiexec:
-        command = [str(BIN / "mpiexec"), "-n", str(workers), *command]
-    return run_script(command, ROOT, timeout)
-
-
-def fit(tmp_path: Path, *options: str, workers: int = 2, **launcher: Any) -> list[Any]:
-    """Run the script (see :func:`launch`); every worker's record, by rank."""
-    code, output = launch(tmp_path, *options, workers=workers, **launcher)
-    assert code == 0, f"exit {code}\n{output}"
-    return [torch.load(tmp_path / "out" / f"rank{rank}.pt") for rank in range(workers)]
 
 
 def exact_posterior() -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,12 +38,6 @@ def exact_posterior() -> tuple[torch.Tensor, torch.Tensor]:
     return covariance @ x.T @ y / SIGMA**2, covariance.diag().sqrt()
 
 
-def assert_in_sync(records: list[Any]) -> None:
-    first, second = (record["posterior"] for record in records)
-    for name in first:
-        assert torch.equal(first[name], second[name]), name
-
-
 def assert_matches_all_the_data(record: Any) -> None:
     """The posterior of all N rows, not of one worker's half (whose widths
     would be sqrt(2) times too wide)."""
@@ -87,14 +46,6 @@ def assert_matches_all_the_data(record: Any) -> None:
     assert torch.allclose(fitted["loc"], loc, atol=0.05), (fitted["loc"], loc)
     ratio = fitted["scale"] / scale
     assert ((ratio > 0.75) & (ratio < 1.3)).all(), (fitted["scale"], scale)
-
-
-def assert_each_epoch_shares_the_rows(records: list[Any], epochs: int) -> None:
-    per_epoch = N // 2 // 100 * 100  # drop="uneven": equal shards of whole batches
-    for epoch in range(epochs):
-        shards = [set(r["seen"][epoch * per_epoch : (epoch + 1) * per_epoch]) for r in records]
-        assert not shards[0] & shards[1], f"epoch {epoch}: a row on both workers"
-        assert len(shards[0] | shards[1]) == 2 * per_epoch
 
 
 def test_automatic_optimization_on_lightnings_launcher(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ..harness import free_port
+from ..support.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "svi_lightning.py"

@@ -16,32 +16,17 @@ from typing import Any
 import pyro
 import pytest
 import torch
-from pyro.infer import SVI, Trace_ELBO
 
 import pyro_distributed as pd
 import pyro_distributed.local.blocks
 import pyro_distributed.local.registry
 
-from ..checkpoint.test_param_store import assert_same_state
-from ..harness import run_workers
-from .test_ownership import D, N, data, guide, model
+from ..support.blocks import owned_svi, train_owned
+from ..support.compare import assert_same_state
+from ..support.harness import ENGINES, run_workers, with_engines
+from ..support.ownership import D, N
 
 LOCAL = ("z_loc", "z_scale")
-
-
-def _run() -> tuple[SVI, pd.DistributedOptimizer, torch.Tensor]:
-    pd.set_rng_seed(5)
-    x = data()
-    with pd.shard_subsamples(own_local_params=True):
-        guide(x)  # create the parameters before a checkpoint is loaded
-    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.05}))
-    return SVI(model, guide, optim, Trace_ELBO()), optim, x
-
-
-def _train(svi: SVI, x: torch.Tensor, steps: int) -> None:
-    for _ in range(steps):
-        with pd.shard_subsamples(own_local_params=True):
-            svi.step(x)
 
 
 def _snapshot(optim: pd.DistributedOptimizer) -> dict[str, Any]:
@@ -54,40 +39,41 @@ def _snapshot(optim: pd.DistributedOptimizer) -> dict[str, Any]:
 
 
 def straight(steps: int, save_at: int, path: str) -> dict[str, Any]:
-    svi, optim, x = _run()
-    _train(svi, x, save_at)
+    svi, optim, x = owned_svi()
+    train_owned(svi, x, save_at)
     pd.save_checkpoint(path, optim)
-    _train(svi, x, steps - save_at)
+    train_owned(svi, x, steps - save_at)
     return _snapshot(optim)
 
 
 def resumed(steps: int, path: str) -> dict[str, Any]:
-    svi, optim, x = _run()
+    svi, optim, x = owned_svi()
     start = pd.load_checkpoint(path, optim)
-    _train(svi, x, steps - start)
+    train_owned(svi, x, steps - start)
     return _snapshot(optim)
 
 
-def test_resume_at_the_same_world_size_is_bitwise(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_resume_at_the_same_world_size_is_bitwise(engine: str, tmp_path: Path) -> None:
     path = str(tmp_path / "run.pt")
-    uninterrupted = run_workers(straight, 10, 4, path)
+    uninterrupted = run_workers(straight, 10, 4, path, engine=engine)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) == 3 and files[0] == "run.pt", files
     assert all(".block" in name for name in files[1:]), "one block file per worker"
-    again = run_workers(resumed, 10, path)
+    again = run_workers(resumed, 10, path, engine=engine)
     for rank in range(2):
         assert_same_state(again[rank], uninterrupted[rank], f"worker {rank}")
 
 
 def saved_then_state(path: str) -> dict[str, Any]:
-    svi, optim, x = _run()
-    _train(svi, x, 6)
+    svi, optim, x = owned_svi()
+    train_owned(svi, x, 6)
     pd.save_checkpoint(path, optim)
     return _snapshot(optim)
 
 
 def loaded_state(path: str, steps_after: int) -> dict[str, Any]:
-    svi, optim, x = _run()
+    svi, optim, x = owned_svi()
     # Loaded optimizer state is handed to optim.set_state, and waits in Pyro's
     # optimizer until each parameter's next step; record what was handed over
     # (a copy: Adam then updates those tensors in place).
@@ -102,7 +88,7 @@ def loaded_state(path: str, steps_after: int) -> dict[str, Any]:
     pd.load_checkpoint(path, optim)
     snapshot = _snapshot(optim)
     snapshot["optim"] = handed
-    _train(svi, x, steps_after)  # and training goes on from there
+    train_owned(svi, x, steps_after)  # and training goes on from there
     return snapshot
 
 
@@ -113,14 +99,16 @@ def _whole(per_worker: list[dict[str, Any]], name: str) -> tuple[torch.Tensor, t
     return values, moments
 
 
-@pytest.mark.parametrize(("saved_at", "loaded_at"), [(2, 3), (3, 1)])
+@pytest.mark.parametrize(
+    ("engine", "saved_at", "loaded_at"), with_engines([(2, 3), (3, 1)], on_mpi=[(2, 3)])
+)
 @pytest.mark.slow
 def test_elastic_resume_repartitions_the_blocks(
-    tmp_path: Path, saved_at: int, loaded_at: int
+    engine: str, tmp_path: Path, saved_at: int, loaded_at: int
 ) -> None:
     path = str(tmp_path / "run.pt")
-    saved = run_workers(saved_then_state, path, world_size=saved_at)
-    loaded = run_workers(loaded_state, path, 2, world_size=loaded_at)
+    saved = run_workers(saved_then_state, path, world_size=saved_at, engine=engine)
+    loaded = run_workers(loaded_state, path, 2, world_size=loaded_at, engine=engine)
     for name in LOCAL:
         values, moments = _whole(saved, name)
         assert values.shape == (N, D)
@@ -137,11 +125,11 @@ def test_elastic_resume_repartitions_the_blocks(
 
 
 def failing_second_save(path: str) -> dict[str, Any]:
-    svi, optim, x = _run()
-    _train(svi, x, 3)
+    svi, optim, x = owned_svi()
+    train_owned(svi, x, 3)
     pd.save_checkpoint(path, optim)
     before = _snapshot(optim)
-    _train(svi, x, 3)
+    train_owned(svi, x, 3)
     if pd.rank() == 1:
 
         def refuse(target: Path, token: str, rank: int, workers: int, state: Any) -> None:
@@ -153,16 +141,18 @@ def failing_second_save(path: str) -> dict[str, Any]:
     return {"before": before, "error": str(error.value)}
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_failed_save_leaves_the_previous_checkpoint_intact_and_complete(
+    engine: str,
     tmp_path: Path,
 ) -> None:
     path = str(tmp_path / "run.pt")
-    first, second = run_workers(failing_second_save, path)
+    first, second = run_workers(failing_second_save, path, engine=engine)
     for worker in (first, second):
         assert "worker 1: OSError: disk full (injected)" in worker["error"]
         assert "the previous checkpoint is intact" in worker["error"]
     assert len(list(tmp_path.iterdir())) == 3, "no file of the failed save is left"
-    loaded = run_workers(loaded_state, path, 0)
+    loaded = run_workers(loaded_state, path, 0, engine=engine)
     for rank, worker in enumerate((first, second)):
         assert_same_state(loaded[rank]["values"], worker["before"]["values"], f"worker {rank}")
 

@@ -20,11 +20,10 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from ..checkpoint.test_param_store import assert_same_state
-from ..harness import WorkerFailure, run_under_launcher, run_workers
-from .test_ownership import data, model
-from .test_sparse import STEPS, plates
-from .test_sparse_torch import trained
+from ..support.compare import assert_same_state
+from ..support.harness import WorkerFailure, run_under_launcher, run_workers
+from ..support.ownership import data, model
+from ..support.sparse import STEPS, plates, trained
 
 pytestmark = pytest.mark.horovod
 

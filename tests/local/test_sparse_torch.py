@@ -15,43 +15,36 @@ checkpoints (bitwise resume, re-partitioned), and row gradients with particles.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pyro
-import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
-from pyro.nn import PyroModule, PyroParam
 from pyro.optim.clipped_adam import ClippedAdam
-from torch.distributions import constraints
 
 import pyro_distributed as pd
 from pyro_distributed.local import registry
 from pyro_distributed.local import sparse as sparse_local
 
-from ..checkpoint.test_param_store import assert_same_state
-from ..harness import run_workers
-from ..optim.test_torch_optimizer import (
-    BATCH_LOCAL,
-    D_LOCAL,
-    N_LOCAL,
-    LocalModel,
-    local_plates,
-)
-from .test_sparse import (
+from ..support.compare import assert_same_state
+from ..support.harness import run_workers
+from ..support.sparse import (
     STEPS,
+    Make,
     assert_reference_facts,
     before_step,
     check_step,
+    elbo_module,
+    fresh_run,
     gradient_facts,
+    module_local_params,
+    sparse,
+    trained,
+    x_data,
 )
-
-Make = Callable[[Any], torch.optim.Optimizer]
+from ..support.torch_models import D_LOCAL, N_LOCAL, LocalModel, local_plates
 
 #: The torch optimizers of test_sparse's reference kinds, with the same settings.
 TORCH_OPTIMIZERS: dict[str, Make] = {
@@ -62,60 +55,6 @@ TORCH_OPTIMIZERS: dict[str, Make] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.002),
     "momentum": lambda ps: torch.optim.SGD(ps, lr=0.002, momentum=0.9, nesterov=True),
 }
-
-
-def x_data() -> torch.Tensor:
-    return torch.randn(N_LOCAL, D_LOCAL, generator=torch.Generator().manual_seed(2)) + 1.0
-
-
-class RowGuide(PyroModule):
-    """A hand-written guide: PyroParams, the local ones read inside the plate."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.mu_loc = PyroParam(torch.zeros(D_LOCAL))
-        init = torch.arange(float(N_LOCAL * D_LOCAL)).reshape(N_LOCAL, D_LOCAL) / 100
-        self.z_loc = PyroParam(init, event_dim=1)
-        self.z_scale = PyroParam(
-            torch.ones(N_LOCAL, D_LOCAL), constraint=constraints.positive, event_dim=1
-        )
-
-    def forward(self, x: torch.Tensor) -> None:
-        pyro.sample("mu", dist.Normal(self.mu_loc, 1.0).to_event(1))
-        with pyro.plate("data", N_LOCAL, subsample_size=BATCH_LOCAL):
-            pyro.sample("z", dist.Normal(self.z_loc, self.z_scale).to_event(1))
-
-
-@contextmanager
-def module_local_params() -> Iterator[None]:
-    pyro.settings.set(module_local_params=True)
-    try:
-        yield
-    finally:
-        pyro.settings.set(module_local_params=False)
-
-
-def sparse() -> pd.shard_subsamples:
-    return pd.shard_subsamples(own_local_params=True, local_updates="sparse")
-
-
-def elbo_module(guide_name: str, elbo: Trace_ELBO | None = None) -> torch.nn.Module:
-    """The ELBO module, after the warm-up call that creates (and cuts) its parameters."""
-    fresh_run()
-    pd.set_rng_seed(0)
-    model = LocalModel()
-    guide = AutoNormal(model, create_plates=local_plates) if guide_name == "auto" else RowGuide()
-    loss_fn: torch.nn.Module = (elbo or Trace_ELBO(num_particles=2))(model, guide)
-    with sparse():
-        loss_fn(x_data())
-    return loss_fn
-
-
-def fresh_run() -> None:
-    """Forget the local parameters of an earlier run in this process: its module
-    may still be alive, and a new guide's parameters take the same names."""
-    registry.forget(list(registry.local_params()))
-    sparse_local.forget()
 
 
 def local_tensors(loss_fn: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -191,18 +130,6 @@ def test_each_torch_native_step_is_the_stated_lazy_rule_within_one_ulp(
 
 # ---------------------------------------------------------------------------
 # zero_grad, plain SGD, refusals.
-
-
-def trained(guide_name: str, make: Make, steps: int, mode: str = "sparse") -> dict[str, Any]:
-    with module_local_params():
-        loss_fn = elbo_module(guide_name)
-        optimizer = pd.DistributedTorchOptimizer(make(loss_fn.parameters()))
-        for _ in range(steps):
-            optimizer.zero_grad()
-            with pd.shard_subsamples(own_local_params=True, local_updates=mode):
-                loss_fn(x_data()).backward()
-            optimizer.step()
-        return {name: p.detach().clone() for name, p in loss_fn.named_parameters()}
 
 
 def sgd(ps: Any) -> torch.optim.Optimizer:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import pyro_distributed as pd
 from pyro_distributed.optim.torch_optimizer import DistributedTorchOptimizer
 
-from ..harness import ENGINE_TIMEOUT, run_workers
+from ..support.harness import ENGINE_TIMEOUT, run_workers
 
 _TARGETS = torch.tensor([[1.0, -2.0, 3.0], [5.0, 2.0, -1.0]])  # one row per worker
 _LR, _STEPS = 0.1, 5

@@ -8,35 +8,21 @@ import torch
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
-from ..models import train_steps
-
-
-def drift(what: str) -> str:
-    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}), check_every=3)
-    train_steps(optim, 2)
-    pd.assert_in_sync(optim)  # in sync so far
-    p = pyro.param("p").unconstrained()
-    if pd.rank() == 1:
-        with torch.no_grad():
-            if what == "param":
-                p.add_(1e-6)
-            else:
-                next(iter(optim.optim_objs.values())).state[p]["exp_avg"].add_(1.0)
-    try:
-        train_steps(optim, 1)  # the third step runs the periodic check
-    except pd.PyroDistributedError as err:
-        return str(err)
-    return "no error"
+from ..support.faults import drift
+from ..support.harness import run_workers, with_engines
 
 
 @pytest.mark.parametrize(
-    ("what", "expected"), [("param", "parameter 'p'"), ("state", "optimizer state of 'p'")]
+    ("engine", "what", "expected"),
+    with_engines(
+        [("param", "parameter 'p'"), ("state", "optimizer state of 'p'")],
+        on_mpi=[("param", "parameter 'p'")],
+    ),
 )
 def test_drift_is_caught_by_check_every_and_names_param_and_workers(
-    what: str, expected: str
+    engine: str, what: str, expected: str
 ) -> None:
-    messages = run_workers(drift, what)
+    messages = run_workers(drift, what, engine=engine)
     assert messages[0] == messages[1]
     assert f"workers have drifted apart: {expected} differs" in messages[0]
     assert "worker 0: version" in messages[0] and "worker 1: version" in messages[0]

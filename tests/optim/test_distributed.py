@@ -12,8 +12,8 @@ from pyro.infer.autoguide import AutoNormal, init_to_sample
 
 import pyro_distributed as pd
 
-from ..harness import CountingEngine, run_workers
-from ..models import (
+from ..support.harness import CountingEngine, run_workers
+from ..support.models import (
     bayesian_regression,
     empty_guide,
     param_values,

@@ -20,12 +20,11 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from ..harness import HorovodSuites, one_pytest_worker, run_workers
-from ..models import bayesian_regression, param_values, regression_data
-from ..test_semantics import clip_cases, train_each_elbo
-from .test_module_buffers import trained as trained_with_batchnorm
-from .test_noise_scale import measured_against_exact
-from .test_schedulers import train_each_scheduler
+from ..support.harness import HorovodSuites, one_pytest_worker, run_workers
+from ..support.models import bayesian_regression, param_values, regression_data
+from ..support.module_buffers import trained as trained_with_batchnorm
+from ..support.noise_scale import measured_against_exact
+from ..support.semantics import clip_cases, train_each_elbo, train_each_scheduler
 
 pytestmark = [pytest.mark.horovod, one_pytest_worker(__name__)]
 

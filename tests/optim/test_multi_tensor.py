@@ -13,9 +13,9 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
-from ..local import test_ownership as ownership
-from ..models import bayesian_regression, param_values, regression_data
+from ..support import ownership
+from ..support.harness import run_workers
+from ..support.models import bayesian_regression, param_values, regression_data
 
 OPTIMIZERS: dict[str, Callable[[], pyro.optim.PyroOptim]] = {
     "Adam": lambda: pyro.optim.Adam({"lr": 0.05}),

@@ -22,7 +22,6 @@ from collections import Counter
 from typing import Any
 
 import pyro
-import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
@@ -31,39 +30,18 @@ from torch import Tensor
 import pyro_distributed as pd
 from pyro_distributed.optim.noise_scale import NoiseScale
 
-from ..harness import CountingEngine, run_workers
-
-N = 1000  # data points
-DIM = 32
-BATCH = 16  # per worker, drawn with replacement
-SIGMA = 1.0  # the likelihood's scale
-TAU = 1.0  # the prior's scale
-OFFSET = 3.0  # |w - w_true|: how far the fixed parameters sit from the truth
-
-
-def dataset(label_noise: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The same data on every worker: x, y and the fixed parameters w."""
-    generator = torch.Generator().manual_seed(7)
-    x = torch.randn(N, DIM, generator=generator)
-    truth = torch.randn(DIM, generator=generator)
-    y = x @ truth + label_noise * torch.randn(N, generator=generator)
-    w = truth + OFFSET * torch.ones(DIM) / DIM**0.5
-    return x, y, w
-
-
-def model(x: Tensor, y: Tensor, indices: Tensor) -> None:
-    w = pyro.sample("w", dist.Normal(torch.zeros(DIM), TAU).to_event(1))
-    with pyro.plate("data", N, subsample=indices):
-        pyro.sample("y", dist.Normal(x[indices] @ w, SIGMA), obs=y[indices])
-
-
-def delta_guide(x: Tensor, y: Tensor, indices: Tensor) -> None:
-    pyro.sample("w", dist.Delta(pyro.param("w_loc"), event_dim=1))
-
-
-def normal_guide(x: Tensor, y: Tensor, indices: Tensor) -> None:
-    """A fixed-width normal: its Monte Carlo noise adds to the subsampling noise."""
-    pyro.sample("w", dist.Normal(pyro.param("w_loc"), 1.0).to_event(1))
+from ..support.harness import CountingEngine, run_workers, with_engines
+from ..support.noise_scale import (
+    BATCH,
+    SIGMA,
+    TAU,
+    N,
+    dataset,
+    delta_guide,
+    measured_against_exact,
+    model,
+    normal_guide,
+)
 
 
 def closed_form(x: Tensor, y: Tensor, w: Tensor) -> dict[str, float]:
@@ -131,70 +109,19 @@ def test_b_simple_grows_with_label_noise_and_falls_with_particles() -> None:
 # ---------------------------------------------------------------------------
 # The norms are exact, on every path a bucket can take.
 
-STEPS = 5
-
-
-def exact_norms(local: list[Tensor]) -> tuple[float, float]:
-    """mean_i |g_i|^2 and |mean_i g_i|^2 from every worker's flattened local gradient."""
-    gathered = torch.stack(pd.current_engine().allgather_object(local)).double()
-    return float((gathered**2).sum(-1).mean()), float(gathered.mean(0).pow(2).sum())
-
-
-def measured_against_exact(overlap: bool, compression: str) -> list[dict[str, float]]:
-    """A manual loop that records every worker's gradient before the optimizer call."""
-    pyro.clear_param_store()
-    x, y, w = dataset(1.0)
-    pyro.param("w_loc", w.clone())
-    for i in range(6):  # more parameters, so that a small cap makes several buckets
-        pyro.param(f"extra{i}", torch.full((8,), 0.1 * i))
-    # Nearly no smoothing: the estimate is the last step's own.
-    optim = pd.DistributedOptimizer(
-        # Clipping tighter than any gradient: a measurement after it would differ.
-        pyro.optim.ClippedAdam({"lr": 0.0, "clip_norm": 1e-3}),
-        overlap=overlap,
-        compression=compression,  # type: ignore[arg-type]
-        bucket_cap_mb=200 / 2**20,
-        noise_scale=1 - 1e-9,
-    )
-    draws = torch.Generator().manual_seed(1000 + pd.rank())
-    records = []
-    for _ in range(STEPS):
-        indices = torch.randint(N, (BATCH,), generator=draws)
-        with pyro.poutine.trace(param_only=True) as capture:
-            loss = Trace_ELBO().differentiable_loss(model, delta_guide, x, y, indices)
-            loss = loss + sum(
-                (pyro.param(f"extra{i}") ** 2).sum() * (pd.rank() + 1) for i in range(6)
-            )
-        loss.backward()
-        params = sorted(
-            (site["name"], site["value"].unconstrained()) for site in capture.trace.nodes.values()
-        )
-        local = torch.cat([p.grad.reshape(-1) for _, p in params])  # type: ignore[union-attr]
-        small, big = exact_norms(local.clone())
-        optim({p for _, p in params})
-        pyro.infer.util.zero_grads({p for _, p in params})
-        size = pd.world_size()
-        got = optim.noise_scale()
-        records.append(
-            {
-                "gradient_sq": got.gradient_sq,
-                "trace_sigma": got.trace_sigma,
-                "exact_gradient_sq": (size * big - small) / (size - 1),
-                "exact_trace_sigma": (small - big) / (1 - 1 / size),
-            }
-        )
-    return records
-
 
 @pytest.mark.parametrize(
-    ("overlap", "compression", "rel"),
-    [(True, "none", 1e-4), (False, "none", 1e-4), (True, "fp16", 1e-2), (False, "bf16", 5e-2)],
+    ("engine", "overlap", "compression", "rel"),
+    with_engines(
+        [(True, "none", 1e-4), (False, "none", 1e-4), (True, "fp16", 1e-2), (False, "bf16", 5e-2)],
+        on_mpi=[(True, "none", 1e-4)],
+    ),
 )
 @pytest.mark.slow
 def test_norms_equal_those_of_the_gathered_gradients(
-    overlap: bool, compression: str, rel: float
+    engine: str, overlap: bool, compression: str, rel: float
 ) -> None:
-    for record in run_workers(measured_against_exact, overlap, compression)[0]:
+    for record in run_workers(measured_against_exact, overlap, compression, engine=engine)[0]:
         assert record["gradient_sq"] == pytest.approx(record["exact_gradient_sq"], rel=rel)
         assert record["trace_sigma"] == pytest.approx(record["exact_trace_sigma"], rel=rel)
 

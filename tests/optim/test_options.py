@@ -8,7 +8,7 @@ import pyro_distributed as pd
 from pyro_distributed.exchange import Reduction
 from pyro_distributed.optim.options import EngineBinding, check_options, make_sync
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from pyro.infer import SVI, Trace_ELBO
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 
 def model(y: torch.Tensor, extra: bool) -> None:

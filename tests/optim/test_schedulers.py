@@ -13,70 +13,32 @@ from typing import Any
 import pyro
 import pytest
 import torch
-from pyro.infer import SVI, Trace_ELBO
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
-from ..models import empty_guide, param_values, point_regression
-from ..test_semantics import STEPS, batch_for, compare_with_single_process, my_ranks
-
-SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
-    "StepLR": ("StepLR", {"step_size": 2, "gamma": 0.5}),
-    "MultiStepLR": ("MultiStepLR", {"milestones": [2, 5], "gamma": 0.5}),
-    "ExponentialLR": ("ExponentialLR", {"gamma": 0.8}),
-    "ConstantLR": ("ConstantLR", {"factor": 0.5, "total_iters": 3}),
-    "LinearLR": ("LinearLR", {"start_factor": 0.2, "total_iters": 4}),
-    "PolynomialLR": ("PolynomialLR", {"total_iters": 6, "power": 2.0}),
-    "CosineAnnealingLR": ("CosineAnnealingLR", {"T_max": 6}),
-    "CosineAnnealingWarmRestarts": ("CosineAnnealingWarmRestarts", {"T_0": 3}),
-    "CyclicLR": ("CyclicLR", {"base_lr": 1e-5, "max_lr": 1e-4, "step_size_up": 2}),
-    "OneCycleLR": ("OneCycleLR", {"max_lr": 1e-4, "total_steps": STEPS + 1}),
-    "LambdaLR": ("LambdaLR", {"lr_lambda": "halving"}),
-    "MultiplicativeLR": ("MultiplicativeLR", {"lr_lambda": "halving"}),
-    "ReduceLROnPlateau": ("ReduceLROnPlateau", {"patience": 0, "factor": 0.5, "threshold": 0.5}),
-}
-
-
-def _halving(epoch: int) -> float:
-    return 0.5 ** min(epoch, 3) if epoch else 1.0
-
-
-def train_each_scheduler(single: bool) -> dict[str, dict[str, torch.Tensor]]:
-    x, y = batch_for(my_ranks(single))
-    results = {}
-    for case, (name, scheduler_args) in SCHEDULERS.items():
-        pyro.clear_param_store()
-        kwargs = {k: _halving if v == "halving" else v for k, v in scheduler_args.items()}
-        scheduler = getattr(pyro.optim, name)(
-            {"optimizer": torch.optim.SGD, "optim_args": {"lr": 1e-4, "momentum": 0.5}, **kwargs}
-        )
-        optim = pd.DistributedOptimizer(scheduler)
-        svi = SVI(point_regression, empty_guide, optim, Trace_ELBO())
-        lrs = []
-        for _ in range(STEPS):
-            loss = svi.step(x, y)
-            optim.step(loss) if name == "ReduceLROnPlateau" else optim.step()
-            (lr,) = {o.optimizer.param_groups[0]["lr"] for o in optim.optim_objs.values()}
-            lrs.append(lr)
-        results[case] = {**param_values(), "lr": torch.tensor(lrs, dtype=torch.float64)}
-    return results
+from ..support.harness import ENGINES, run_workers
+from ..support.semantics import (
+    compare_with_single_process,
+    train_each_scheduler,
+)
 
 
 @functools.cache
-def scheduler_runs() -> Any:
-    return compare_with_single_process(train_each_scheduler)
+def scheduler_runs(engine: str) -> Any:
+    return compare_with_single_process(train_each_scheduler, engine=engine)
 
 
-def test_every_scheduler_matches_one_process() -> None:
-    single = scheduler_runs()
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_scheduler_matches_one_process(engine: str) -> None:
+    single = scheduler_runs(engine=engine)
     for case, values in single.items():
         assert len(set(values["lr"].tolist())) > 1, f"{case}: the learning rate never changed"
 
 
-def test_reduce_lr_on_plateau_averages_the_loss_it_is_given() -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reduce_lr_on_plateau_averages_the_loss_it_is_given(engine: str) -> None:
     # Each worker passes its own local loss; the single process passes the mean loss.
-    single = scheduler_runs()
+    single = scheduler_runs(engine=engine)
     assert single["ReduceLROnPlateau"]["lr"][-1] < 1e-4
 
 

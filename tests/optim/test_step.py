@@ -26,7 +26,7 @@ from pyro.nn import PyroModule
 
 import pyro_distributed as pd
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 GROUPS = 150
 BATCH = 30

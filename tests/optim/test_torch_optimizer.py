@@ -16,12 +16,8 @@ from pyro.nn import PyroModule
 import pyro_distributed as pd
 from pyro_distributed.optim.torch_optimizer import DistributedTorchOptimizer
 
-from ..harness import WorkerFailure, one_pytest_worker, run_under_launcher, run_workers
-
-
-def small_net(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+from ..support.harness import WorkerFailure, one_pytest_worker, run_under_launcher, run_workers
+from ..support.torch_models import D_LOCAL, N_LOCAL, LocalModel, local_plates, small_net
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,22 +364,6 @@ def test_evaluation_prediction_and_noise_scale_work_on_the_torch_native_path(
 
 
 # -- local parameters owned by their worker, on the torch-native path
-
-N_LOCAL = 41  # divides by neither 2 nor 3
-D_LOCAL = 3
-BATCH_LOCAL = 4
-
-
-class LocalModel(PyroModule):
-    def forward(self, x: torch.Tensor) -> None:
-        mu = pyro.sample("mu", dist.Normal(0.0, 5.0).expand([D_LOCAL]).to_event(1))
-        with pyro.plate("data", N_LOCAL, subsample_size=BATCH_LOCAL) as idx:
-            z = pyro.sample("z", dist.Normal(mu, 1.0).to_event(1))
-            pyro.sample("x", dist.Normal(z, 0.5).to_event(1), obs=x[idx])
-
-
-def local_plates(x: torch.Tensor) -> pyro.plate:
-    return pyro.plate("data", N_LOCAL, subsample_size=BATCH_LOCAL)
 
 
 def train_local(own: bool, optimizer_name: str, steps: int) -> dict[str, object]:

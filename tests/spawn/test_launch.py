@@ -19,7 +19,7 @@ import torch
 import pyro_distributed as pd
 from pyro_distributed.engines.base import process_is_alive
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 from .scripts.owned_rows import NAMES, train
 
 STEPS = 6

@@ -11,55 +11,20 @@ import inspect
 import re
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import nbformat
 import pytest
 import torch
 from nbclient import NotebookClient
-from nbformat.v4 import new_code_cell, new_notebook
 
 from pyro_distributed.engines.base import process_is_alive
 
-from ..harness import run_script
-from ..test_examples import python_or_torchrun
+from ..support.examples import python_or_torchrun
+from ..support.harness import run_script
+from ..support.notebooks import ROOT, execute, notebook_of, output_of
 from .scripts import owned_rows
 
-ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART_NOTEBOOK = ROOT / "examples" / "quickstart_notebook.ipynb"
-
-
-def execute(notebook: Any, timeout: int = 300) -> Any:
-    """Run every cell in a fresh kernel started in the repository, as a user would."""
-    client = NotebookClient(
-        notebook,
-        timeout=timeout,
-        kernel_name="python3",
-        allow_errors=True,
-        interrupt_on_timeout=True,
-        resources={"metadata": {"path": str(ROOT)}},
-    )
-    client.execute()
-    return notebook
-
-
-def output_of(cell: Any, streams: tuple[str, ...] = ("stdout", "stderr")) -> str:
-    """What a cell printed on ``streams`` and, if it failed, its error."""
-    parts = []
-    for output in cell.get("outputs", []):
-        if output.get("output_type") == "stream" and output["name"] in streams:
-            parts.append(output["text"])
-        elif output.get("output_type") == "error":
-            error = f"{output['ename']}: {output['evalue']}\n"
-            parts.append(error + "\n".join(output["traceback"]))
-    return "".join(parts)
-
-
-def notebook_of(*sources: str) -> Any:
-    return new_notebook(
-        cells=[new_code_cell(source) for source in sources],
-        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3"}},
-    )
 
 
 def _result_lines(output: str) -> list[str]:

@@ -25,7 +25,7 @@ from cell2location.models import Cell2location
 import pyro_distributed as pd
 from pyro_distributed.lightning import PyroDistributedStrategy
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location(
     "example", ROOT / "examples/cell2location_spatial.py"
 )

@@ -1,10 +1,11 @@
-"""Many :func:`tests.harness.run_workers` calls on the mpi engine, one ``mpiexec`` per world size.
+"""Many :func:`~tests.support.harness.run_workers` calls on the mpi engine, one
+``mpiexec`` per world size.
 
 Starting ``mpiexec -n W`` and importing torch and Pyro on every worker costs
 2.5 s at W=2 and 4 s at W=3 on two cores, more than most calls take. So the
-first call at a world size launches ``mpiexec -n W python -m tests.mpi_pool``
+first call at a world size launches ``mpiexec -n W python -m tests.support.mpi_pool``
 once; its workers connect back to the test process and run one call after
-another, each exactly as :func:`tests.harness.run_workers` would: a cleared
+another, each exactly as :func:`tests.support.harness.run_workers` would: a cleared
 param store, the engine started with the tests' time-out, ``fn(*args)``, the
 engine shut down, and the environment and Pyro's and torch's global switches
 put back as they were.
@@ -37,7 +38,7 @@ from typing import Any
 
 from .reports import gather_reports
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: How long a fresh pool may take to connect back (mpiexec, imports, a busy machine).
 START_TIMEOUT = 120.0
 _AUTHKEY_VARIABLE = "TEST_MPI_POOL_KEY"
@@ -61,7 +62,8 @@ class MpiPool:
             _AUTHKEY_VARIABLE: self._key,
         }
         command = [
-            *launcher, sys.executable, "-m", "tests.mpi_pool", str(port), str(engine_timeout),
+            *launcher, sys.executable, "-m", "tests.support.mpi_pool", str(port),
+            str(engine_timeout),
         ]  # fmt: skip
         # The workers' output goes to a file, never a pipe that nobody reads
         # between calls (a full pipe would block them); failures quote its end.

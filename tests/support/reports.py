@@ -1,7 +1,7 @@
 """What each worker sends back at the end of a call: ``("ok", value)`` or ``("error", traceback)``.
 
 One reading of those reports, shared by the gloo spawner
-(:func:`tests.harness.run_workers`) and the MPI pool (``tests/mpi_pool.py``).
+(:func:`tests.support.harness.run_workers`) and the MPI pool (``tests/support/mpi_pool.py``).
 """
 
 from __future__ import annotations

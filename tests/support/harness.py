@@ -7,10 +7,11 @@ and a started ``pyro_distributed`` engine, then runs ``fn(*args)``. The
 parent collects every worker's return value or traceback, and fails with all
 of them when any worker fails, dies or overruns the time limit.
 
-With ``engine="mpi"`` (or :data:`DEFAULT_ENGINE` set to it, as
-``tests/test_mpi.py`` does to run other files' tests on MPI) the workers are
-started by the real ``mpiexec`` instead: one launch per world size, whose
-workers run one call after another (``tests/mpi_pool.py``).
+With ``engine="mpi"`` the workers are started by the real ``mpiexec``
+instead: one launch per world size, whose workers run one call after another
+(``tests/support/mpi_pool.py``). A test that runs on both takes ``engine``
+from its parametrization (:data:`ENGINES`, :func:`with_engines`), so that
+pytest collects its MPI run beside its torch run, in its own module.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -47,8 +48,31 @@ _CONTEXT.set_forkserver_preload(["torch", "pyro", "pyro_distributed"])
 #: machine, short enough that a hang fails a test within seconds.
 ENGINE_TIMEOUT = 30.0
 
-#: The engine of :func:`run_workers` when the caller names none.
-DEFAULT_ENGINE = "torch"
+
+def with_engines(cases: Iterable[Any], on_mpi: Iterable[Any] = ()) -> list[Any]:
+    """Parameter sets ``(engine, *case)`` for ``pytest.mark.parametrize``: every
+    case on the torch engine, and the cases of ``on_mpi`` on the real ``mpiexec``
+    too, marked ``mpi`` (so ``--quick`` and ``-m "not mpi"`` leave them out).
+
+    A case is one value or a tuple of values; ``on_mpi`` names the cases worth
+    their launch on MPI, where a run costs more than on the gloo spawner::
+
+        @pytest.mark.parametrize(("engine", "workers"), with_engines([2, 3], on_mpi=[3]))
+        def test_something(engine: str, workers: int) -> None:
+            run_workers(fn, world_size=workers, engine=engine)
+    """
+
+    def values(case: Any) -> tuple[Any, ...]:
+        return case if isinstance(case, tuple) else (case,)
+
+    return [("torch", *values(case)) for case in cases] + [
+        pytest.param("mpi", *values(case), marks=pytest.mark.mpi) for case in on_mpi
+    ]
+
+
+#: ``engine`` for a test without other parameters that runs on both engines:
+#: ``@pytest.mark.parametrize("engine", ENGINES)``.
+ENGINES = ["torch", pytest.param("mpi", marks=pytest.mark.mpi)]
 
 
 #: Variables through which a launcher tells a process its place in a job.
@@ -168,15 +192,14 @@ def run_workers(
     fn: Callable[..., Any],
     *args: Any,
     world_size: int = 2,
-    engine: str | None = None,
+    engine: str = "torch",
     timeout: float = 120.0,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` workers; return their results by rank.
 
     ``fn`` must be importable (a module-level function). ``engine=""`` starts
-    no engine, for tests of start-up itself; ``None`` means :data:`DEFAULT_ENGINE`.
+    no engine, for tests of start-up itself; ``"mpi"`` runs it under ``mpiexec``.
     """
-    engine = DEFAULT_ENGINE if engine is None else engine
     if engine == "mpi":
         return _run_on_mpi_pool(fn, args, world_size, timeout)
     port = free_port()
@@ -235,7 +258,7 @@ def run_under_launcher(
 ) -> dict[str, Any]:
     """Run each ``(name, fn, args)`` on every worker of one launch of ``engine``'s real
     launcher (``mpiexec -n world_size`` for ``"mpi"``, ``horovodrun --gloo`` for
-    ``"horovod"``), through ``tests/launched_runner.py``.
+    ``"horovod"``), through ``tests/support/launched_runner.py``.
 
     Returns, by scenario name, the workers' results by rank. A scenario that
     failed on any worker maps to a :class:`WorkerFailure` instead, which the
@@ -246,7 +269,7 @@ def run_under_launcher(
     whole launch (the launcher and every worker, in a process group of their
     own) is killed after ``timeout``.
     """
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "scenarios.pkl"
         spec.write_bytes(
@@ -256,7 +279,7 @@ def run_under_launcher(
         )
         command = [
             *_launcher(engine, world_size),
-            sys.executable, "-m", "tests.launched_runner", engine, str(spec), tmp,
+            sys.executable, "-m", "tests.support.launched_runner", engine, str(spec), tmp,
         ]  # fmt: skip
         env = {
             **os.environ,
@@ -346,7 +369,7 @@ def _run_on_mpi_pool(
     fn: Callable[..., Any], args: tuple[Any, ...], world_size: int, timeout: float
 ) -> list[Any]:
     """:func:`run_workers` on the mpi engine: a call on this world size's one
-    ``mpiexec`` launch (``tests/mpi_pool.py``)."""
+    ``mpiexec`` launch (``tests/support/mpi_pool.py``)."""
     results, failures = mpi_pool.run(
         fn, args, world_size, timeout, _launcher("mpi", world_size), ENGINE_TIMEOUT
     )

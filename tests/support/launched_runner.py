@@ -1,6 +1,6 @@
 """Worker entry point for tests under a real launcher (``mpiexec``, ``horovodrun``).
 
-``python -m tests.launched_runner ENGINE SCENARIOS OUT_DIR`` runs, on every
+``python -m tests.support.launched_runner ENGINE SCENARIOS OUT_DIR`` runs, on every
 worker that the launcher starts, each scenario in the pickled list
 ``SCENARIOS`` (a list of ``(name, "module:function", args)``), in order, on
 the engine called ``ENGINE``, and writes this worker's results to
@@ -8,7 +8,7 @@ the engine called ``ENGINE``, and writes this worker's results to
 later crash. A scenario's result is ``("ok", value)`` or ``("error",
 traceback)``.
 
-Set by :func:`tests.harness.run_under_launcher` in the environment:
+Set by :func:`tests.support.harness.run_under_launcher` in the environment:
 ``TEST_ENGINE_TIMEOUT`` (seconds) and ``TEST_CRASH_ON_ERROR``: when set, a
 worker whose scenario raised leaves at once, without a goodbye, as a crashing
 script would, so that its peers show how they notice a lost worker.

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from .harness import is_launcher_variable
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 START = ROOT / "scripts" / "start_slurm.sh"
 #: The script's own waits add up to about 3 minutes when apt-get has to install.
 START_TIMEOUT = 240.0
