@@ -14,7 +14,7 @@ import torch
 import pyro_distributed as pd
 from pyro_distributed.exchange import GradBucket, LowRankHook, Waiting
 
-from ..harness import run_workers
+from ..support.harness import run_workers
 
 SHAPES = [torch.Size([40, 30]), torch.Size([7]), torch.Size([30, 20])]
 
