@@ -148,7 +148,7 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         # Swaps the rows of local_updates="sparse" parameters in (optim.sparse_step).
         self._sparse = TorchSparseStepper(optimizer)
         self._names = ParamGroupNames(optimizer)
-        self._reducer = Reducer(engine, options, self._names, self.get_state)
+        self._reducer = Reducer(engine, options, self._names, self._names.state)
         # The hooks go on before local rows are cut (construction, not the
         # first step): a hook added to a parameter after its rows were cut in
         # place breaks its next backward. One worker has no average to clip.
@@ -289,8 +289,7 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
     def get_state(self) -> dict[str, Any]:
         """Per-parameter optimizer state of the replicated parameters, by exchange
         name (for drift checks)."""
-        state = self.wrapped.state
-        return {name: dict(state[p]) for name, p in self.checked_tensors().items() if p in state}
+        return self._names.state()
 
     def checked_tensors(self) -> dict[str, Tensor]:
         """The parameters that must be identical on every worker (local ones are
@@ -321,3 +320,8 @@ class ParamGroupNames:
 
     def check_local(self, local: dict[str, Tensor]) -> None:
         check_state_fits(self._optimizer, local)
+
+    def state(self) -> dict[str, Any]:
+        """The optimizer's per-parameter state of :meth:`catalog`, by name."""
+        state = self._optimizer.state
+        return {name: dict(state[p]) for name, p in self.catalog().items() if p in state}
