@@ -73,7 +73,7 @@ DEFAULTS = ReducerOptions()
 class OptimizerOptions(TypedDict, total=False):
     """Options for the optimizers a framework wraps for the user (the Lightning
     strategy's ``optimizer_options``), each as :class:`~pyro_distributed.DistributedOptimizer`
-    documents it; an option left out takes its default (:data:`DEFAULTS`).
+    documents it; an option left out takes its default there.
 
     ``multi_tensor`` concerns ``pyro.optim`` optimizers alone: a torch
     optimizer steps its tensors together already (its ``foreach``).
