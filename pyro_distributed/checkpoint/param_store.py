@@ -90,7 +90,7 @@ def load(
     _restore_param_store(state["param_store"], local)
     if values:
         _restore_local(values, local, state["param_store"]["constraints"])
-    optim._forget_parameters()
+    optim.forget()
     if strict:
         # Names not created yet (a guide's, before its first call) are checked
         # at the first step, against what it steps.

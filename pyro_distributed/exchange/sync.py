@@ -25,7 +25,7 @@ rare step in which workers proposed different ones.
 
 The steady state runs a fixed plan. :meth:`GradientSync.plan` makes an
 :class:`ExchangePlan` for a set of tensors (this worker's proposal), and its
-owner (the step's plan, :mod:`pyro_distributed.optim.plan`) hands the same
+owner (the reducer's plan, :mod:`pyro_distributed.optim.reducer`) hands the same
 one over at every step while its tensors stay the same: nothing is renamed,
 sorted, hashed or planned again, the plan keeps its buckets and the overlap
 its hooks; a bucket is packed by one flatten in C++. The digest still rides
@@ -73,22 +73,14 @@ class ExchangePlan:
       differ from the last step's (workers that disagree, a borrowed tensor);
       a new plan of the tensors of the last step starts from its buckets.
 
-    The owner may not change ``given``. A plan made before
-    :meth:`GradientSync.forget` is made again at its next exchange.
+    The owner may not change the mapping it planned, and drops the plan when
+    it calls :meth:`GradientSync.forget` (a plan made before it is stale).
     """
 
-    def __init__(self, given: Mapping[str, Tensor], proposal: Proposal, era: int) -> None:
-        self.given = given
+    def __init__(self, proposal: Proposal) -> None:
         self.proposal = proposal
         self.step: StepParams | None = None
         self.buckets: BucketPlan | None = None
-        #: How many times the exchange had forgotten every tensor when this was made.
-        self.era = era
-
-    def renew(self, proposal: Proposal, era: int) -> None:
-        """Start again from ``proposal`` (the exchange forgot every tensor)."""
-        self.proposal, self.era = proposal, era
-        self.step, self.buckets = None, None
 
 
 @dataclass(frozen=True)
@@ -141,7 +133,6 @@ class GradientSync:
         self._averager = GradientAverager(engine, cap_bytes, reduction, measure_norms)
         self._overlap = BackwardOverlap(engine) if overlap else None
         self._last_buckets: BucketPlan | None = None
-        self._era = 0  # how many times forget() was called
 
     @property
     def overlaps(self) -> bool:
@@ -162,7 +153,7 @@ class GradientSync:
         """The plan for exchanging ``given`` (the tensors this worker steps, by
         shared name), to hand to :meth:`exchange` at every step while they
         stay the same. No communication."""
-        return ExchangePlan(given, self._agreement.propose(given), self._era)
+        return ExchangePlan(self._agreement.propose(given))
 
     def exchange(
         self, plan: ExchangePlan, catalog: Catalog, *, nonfinite_here: bool = False
@@ -179,8 +170,6 @@ class GradientSync:
         :raises PyroDistributedError: when the workers' tensors cannot be
             reconciled (missing somewhere, different shapes), naming them.
         """
-        if plan.era != self._era:  # made before forget(): every tensor is new again
-            plan.renew(self._agreement.propose(plan.given), self._era)
         proposal = plan.proposal
         overlap = self._overlap
         flag = int(nonfinite_here)
@@ -199,7 +188,7 @@ class GradientSync:
             overlap.after_step(buckets)
         # The buckets' tuples, which are the same objects while the tensors are
         # (a proposal made again has tuples of its own): the front end's plan
-        # recognises the step by them (optim.plan.StepPlan.follow).
+        # recognises the step by them (optim.reducer.Plan.follow).
         return Exchanged(
             buckets.names, buckets.params, step.borrowed, finite and not nonfinite_somewhere
         )
@@ -268,9 +257,9 @@ class GradientSync:
 
     def forget(self) -> None:
         """Treat every tensor as new again and drop the overlap's plan (after the
-        tensors were replaced, for example by loading a checkpoint)."""
+        tensors were replaced, for example by loading a checkpoint); every
+        :class:`ExchangePlan` made before is stale: make new ones."""
         self._agreement.forget()
-        self._era += 1
         if self._overlap is not None:
             self._overlap.reset()
 

@@ -41,12 +41,11 @@ from pyro.infer import SVI
 from pyro.optim import PyroOptim
 
 from ..checkpoint.modules import module_locals
-from ..consensus import ABSENT, require_agreement
-from ..digest import digest
 from ..engines import Engine
 from ..errors import PyroDistributedError
 from ..local.registry import local_params
 from ..optim.distributed import DistributedOptimizer
+from ..optim.reducer import require_identical
 
 
 def distribute_svi_optimizers(
@@ -98,14 +97,14 @@ def check_in_sync(module: torch.nn.Module, engine: Engine, when: str) -> None:
         return
     skipped = set(module_locals(module)) | set(local_params())
     view: dict[str, Any] = {
-        f"parameter {name!r} of the module": digest(param)
+        f"parameter {name!r} of the module": param
         for name, param in module.named_parameters()
         if name not in skipped
     }
     for name, param in pyro.get_param_store().named_parameters():
         if name not in skipped:
-            view[f"Pyro parameter {name!r}"] = digest(param)
-    require_agreement(
+            view[f"Pyro parameter {name!r}"] = param
+    require_identical(
         engine,
         view,
         message=lambda item, split: (
@@ -115,5 +114,5 @@ def check_in_sync(module: torch.nn.Module, engine: Engine, when: str) -> None:
             f"optimizer held by the LightningModule when training starts (the strategy "
             f"wraps both), or be a pd.DistributedOptimizer"
         ),
-        describe=lambda value: "absent" if value is ABSENT else f"version {value}",
+        absent="absent",
     )

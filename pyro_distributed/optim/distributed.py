@@ -2,11 +2,12 @@
 
 It wraps the user's optimizer instead of rebuilding it: clipping, schedulers,
 per-parameter arguments and state all stay the wrapped optimizer's own code.
-Everything around the gradient exchange is the shared step's
-(:class:`~pyro_distributed.optim.step.DataParallelStep`); this front end
-names the parameters by their param-store names and steps the wrapped
-optimizer (one multi-tensor optimizer where that is exact, and the rows of
-sparse local parameters), so that clipping sees the averaged gradient.
+Everything around the gradient exchange is the reducer's
+(:class:`~pyro_distributed.optim.reducer.Reducer`), which knows the
+parameters by their param-store names (:class:`ParamStoreNames`); this front
+end steps the wrapped optimizer between the reducer's two calls (one
+multi-tensor optimizer where that is exact, and the rows of sparse local
+parameters), so that clipping sees the averaged gradient.
 
 With one worker it does none of it but the step, and costs nothing.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import pyro
 import torch
@@ -25,12 +26,11 @@ from torch import Tensor
 from ..checks import check_bool
 from ..engines import Engine
 from ..exchange import CommHook, Compression, GradBucket, Reducing
-from ..local.sparse import RowGradients
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
-from .plan import StepPlan
+from .options import DEFAULTS, ReducerOptions
+from .reducer import FrontEnd, Reduced, Reducer
 from .schedulers import step_schedulers
 from .sparse_step import SparseStepper
-from .step import DataParallelStep, FrontEnd, StepOptions
 
 
 class DistributedOptimizer(FrontEnd, PyroOptim):
@@ -162,19 +162,25 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         pyro_optim: PyroOptim,
         *,
         engine: str | Engine = "auto",
-        bucket_cap_mb: float = 25.0,
-        nonfinite: Literal["skip", "raise"] = "skip",
-        check_every: int | None = None,
-        compression: Compression = "none",
+        bucket_cap_mb: float = DEFAULTS.bucket_cap_mb,
+        nonfinite: Literal["skip", "raise"] = DEFAULTS.nonfinite,
+        check_every: int | None = DEFAULTS.check_every,
+        compression: Compression = DEFAULTS.compression,
         multi_tensor: bool | None = None,
-        overlap: bool = True,
-        noise_scale: bool | float = False,
-        comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None = None,
+        overlap: bool = DEFAULTS.overlap,
+        noise_scale: bool | float = DEFAULTS.noise_scale,
+        comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None = DEFAULTS.comm_hook,
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
-        options = StepOptions.of(
-            bucket_cap_mb, nonfinite, check_every, compression, overlap, noise_scale, comm_hook
+        options = ReducerOptions.of(
+            bucket_cap_mb=bucket_cap_mb,
+            nonfinite=nonfinite,
+            check_every=check_every,
+            compression=compression,
+            overlap=overlap,
+            noise_scale=noise_scale,
+            comm_hook=comm_hook,
         )
         check_bool("multi_tensor", multi_tensor, optional=True)
         self._configure(pyro_optim, engine, options, multi_tensor)
@@ -183,7 +189,7 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         self,
         pyro_optim: PyroOptim,
         engine: str | Engine,
-        options: StepOptions,
+        options: ReducerOptions,
         multi_tensor: bool | None = None,
     ) -> None:
         """Set up the wrapper; shared by every constructor of this family."""
@@ -207,7 +213,7 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         self._stepper = GroupedStepper(pyro_optim) if grouped else None
         # Steps the rows of local_updates="sparse" parameters (optim.sparse_step).
         self._sparse = SparseStepper(pyro_optim)
-        self._step = DataParallelStep(engine, options, self)
+        self._reducer = Reducer(engine, options, ParamStoreNames(), pyro_optim.get_state)
         #: What the next step must step, after a checkpoint was loaded (names, file).
         self._expected: tuple[frozenset[str], str] | None = None
         for hook in list(_ON_CREATED):
@@ -238,28 +244,25 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
             params = list(params)
             self._check_expected(params)
         params, sparse = self._sparse.take(params)
-        step = self._step
         # SVI hands over a new set of the same tensors at every step: the same
         # ids, the same plan (one pass, in C).
-        plan = step.plan(frozenset(map(id, params)), params)
-        if not step.start():
-            plan.follow(plan.tensors)
-            self._step_wrapped(plan, sparse, args, kwargs)
-            return
-        stepped = step.exchange(plan, sparse)
-        step.finish(stepped, lambda plan: self._step_wrapped(plan, sparse, args, kwargs))
+        reduced = self._reducer.reduce(frozenset(map(id, params)), params, sparse)
+        try:
+            if reduced.finite:
+                self._step_wrapped(reduced, args, kwargs)
+        finally:
+            self._reducer.done(reduced)
 
-    def _step_wrapped(
-        self, plan: StepPlan, sparse: list[RowGradients], args: Any, kwargs: Any
-    ) -> None:
-        """Step the wrapped optimizer on ``plan.stepped``, then the sparse rows."""
+    def _step_wrapped(self, reduced: Reduced, args: Any, kwargs: Any) -> None:
+        """Step the wrapped optimizer on ``reduced.tensors``, then the sparse rows."""
         if self._stepper is not None:
+            plan = reduced.plan
             if plan.groups is None:
                 plan.groups = self._stepper.plan(plan.stepped)
             self._stepper.step(plan.groups)
         else:
-            self.wrapped(plan.stepped, *args, **kwargs)  # type: ignore[arg-type]
-        self._sparse.step(sparse)
+            self.wrapped(reduced.tensors, *args, **kwargs)  # type: ignore[arg-type]
+        self._sparse.step(reduced.sparse)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Step the wrapped optimizer's learning-rate schedulers.
@@ -297,35 +300,25 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
                 f"to load the parameters the two share"
             )
 
-    def _forget_parameters(self) -> None:
-        """Drop per-parameter optimizers and sync records after a checkpoint was loaded.
+    def forget(self) -> None:
+        """Treat every parameter as new, after the param store's tensors were
+        replaced (:func:`~pyro_distributed.load_checkpoint` calls it).
 
-        New ones are made as each parameter reaches the optimizer again, and
-        they take the loaded state; parameters are broadcast once more.
+        Drops the per-parameter optimizers and what the exchange knew of the
+        parameters; new ones are made as each parameter reaches the optimizer
+        again, and they take the state given to :meth:`set_state`. Every
+        parameter takes worker 0's value once more at the next step.
         """
         self.wrapped.optim_objs.clear()
         self.wrapped.grad_clip.clear()
-        self._step.forget()
+        self._reducer.forget()
         if self._stepper is not None:
             self._stepper.forget()
         self._sparse.forget()
 
-    # -- what the step asks (StepOwner)
-
-    catalog_name: ClassVar[str] = "param store"
-
     def checked_tensors(self) -> dict[str, Tensor]:
         """The parameters that must be identical on every worker: the param store."""
         return _param_store()
-
-    def _named(self, tensors: tuple[Tensor, ...]) -> dict[str, Tensor]:
-        return _by_store_name(tensors)
-
-    def _on_bind(self, exchanges: bool) -> None:
-        pass
-
-    def _check_local(self, local: dict[str, Tensor]) -> None:
-        pass  # a PyroOptim makes each parameter's optimizer when it first steps it
 
     def get_state(self) -> dict[str, Any]:
         """The optimizer state, keyed by param-store name, in PyroOptim's format."""
@@ -336,7 +329,7 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         self.wrapped.set_state(state_dict)
 
     def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.wrapped!r}, engine={self._step.describe_engine()})"
+        return f"DistributedOptimizer({self.wrapped!r}, engine={self._reducer.describe_engine()})"
 
 
 #: Called with every DistributedOptimizer as it is made (see :func:`watch_created`).
@@ -349,6 +342,22 @@ def watch_created(hook: Callable[[DistributedOptimizer], None]) -> Callable[[], 
     launched worker resumes and collects the optimizers its function makes so."""
     _ON_CREATED.append(hook)
     return lambda: _ON_CREATED.remove(hook)
+
+
+class ParamStoreNames:
+    """Parameters by their param-store names, the names every worker shares
+    (the :class:`~.reducer.Names` of this front end)."""
+
+    catalog_name = "param store"
+
+    def of(self, tensors: tuple[Tensor, ...]) -> dict[str, Tensor]:
+        return _by_store_name(tensors)
+
+    def catalog(self) -> dict[str, Tensor]:
+        return _param_store()
+
+    def check_local(self, local: dict[str, Tensor]) -> None:
+        pass  # a PyroOptim makes each parameter's optimizer when it first steps it
 
 
 def _by_store_name(params: Iterable[Tensor]) -> dict[str, Tensor]:

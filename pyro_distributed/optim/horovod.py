@@ -31,7 +31,7 @@ from ..checks import check_bool, check_int, check_number
 from ..engines.horovod import HorovodEngine
 from ..exchange import Reduction
 from .distributed import DistributedOptimizer
-from .step import StepOptions
+from .options import ReducerOptions
 
 _HOROVOD_KWARGS = (
     "compression",
@@ -108,7 +108,7 @@ class HorovodOptimizer(DistributedOptimizer):
         reduction, process_set = _parse(engine, horovod_kwargs)
         if process_set is not None:
             engine = engine.within(process_set)
-        options = StepOptions(bucket_cap_mb=_FUSION_MB, reduction=reduction)
+        options = ReducerOptions.of(bucket_cap_mb=_FUSION_MB, reduction=reduction)
         self._configure(pyro_optim, engine, options)
 
     def __repr__(self) -> str:

@@ -141,7 +141,7 @@ class GroupedStepper:
     def plan(self, params: Iterable[Tensor]) -> GroupedSteps:
         """The groups that ``params`` belong to (joining new ones), each with the
         members that were not passed and must sit out the step. The step's plan
-        keeps it while the parameters stay the same (``optim.plan.StepPlan``)."""
+        keeps it while the parameters stay the same (``optim.reducer.Plan``)."""
         stepping = set()
         for param in params:
             if param not in self._group_of:

@@ -1,18 +1,18 @@
-"""The options both front ends take, checked and turned into an exchange one way.
+"""The options every front end takes, their defaults written once, and the engine binding.
 
-``DistributedOptimizer`` over a Pyro optimizer and over a torch optimizer
-take the same keyword arguments with the same meaning; this module checks
-them and builds the :class:`~pyro_distributed.exchange.sync.GradientSync`
-that their shared step (:mod:`.step`) owns, so that the two cannot drift
-apart.
+:class:`ReducerOptions` is the one frozen dataclass of the options a
+:class:`~.reducer.Reducer` runs with: each front end's signature takes its
+defaults from :data:`DEFAULTS`, and :meth:`ReducerOptions.of` checks them,
+for the front ends, Horovod's contract and the Lightning strategy's
+``optimizer_options`` (:class:`OptimizerOptions`, the typed spelling of the
+same keyword arguments) alike.
 
 Binding: an optimizer is often built before the processes that will train it
 have met (scvi-tools builds its Pyro optimizer before Lightning creates the
 process group). So an optimizer does not choose its engine when it is built
-but at its first step (:class:`EngineBinding`, held by the shared step,
-which binds when a front end's ``engine`` is first read): by then the
-launcher's or the host framework's process group exists and
-``engine="auto"`` adopts it. An
+but at its first step (:class:`EngineBinding`, held by the reducer, which
+binds when a front end's ``engine`` is first read): by then the launcher's or
+the host framework's process group exists and ``engine="auto"`` adopts it. An
 optimizer already bound to one worker re-checks at every step that no larger
 group has appeared since, and refuses to go on if one has: averaging over one
 worker while others exist would train W independent replicas, silently.
@@ -20,21 +20,68 @@ worker while others exist would train W independent replicas, silently.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
 from .. import runtime
 from ..checks import check_bool, check_choice, check_int, check_number
 from ..engines import Engine, check_engine_name
 from ..errors import PyroDistributedError
-from ..exchange import Compression, GradientSync, Reduction, compressor
+from ..exchange import CommHook, Compression, GradBucket, Reducing, Reduction, as_hook, compressor
 from .noise_scale import NoiseScaleEstimator
+
+
+@dataclass(frozen=True)
+class ReducerOptions:
+    """The options of every front end, with the meaning
+    :class:`~pyro_distributed.DistributedOptimizer` documents; the defaults
+    are this class's (:data:`DEFAULTS`)."""
+
+    bucket_cap_mb: float = 25.0
+    nonfinite: Literal["skip", "raise"] = "skip"
+    check_every: int | None = None
+    compression: Compression = "none"
+    overlap: bool = True
+    noise_scale: bool | float = False
+    comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None = None
+    #: How gradients are combined: from ``compression`` or ``comm_hook``, or
+    #: Horovod's arguments.
+    reduction: Reduction = field(default_factory=Reduction, compare=False)
+
+    @classmethod
+    def of(cls, *, reduction: Reduction | None = None, **options: Any) -> ReducerOptions:
+        """The options (each one left out takes its default), or
+        ``TypeError``/``ValueError`` naming a wrong one.
+
+        :param reduction: Horovod's combination, in place of ``compression``'s.
+        """
+        given = dataclasses.replace(DEFAULTS, **options)  # an unknown name is a TypeError
+        check_number("bucket_cap_mb", given.bucket_cap_mb, positive=True)
+        check_choice("nonfinite", given.nonfinite, ("skip", "raise"))
+        check_int("check_every", given.check_every, minimum=1, optional=True)
+        check_bool("overlap", given.overlap)
+        NoiseScaleEstimator.smoothing_of(given.noise_scale)  # fails here, not at step 1
+        if reduction is None:
+            hook = None if given.comm_hook is None else as_hook(given.comm_hook)
+            if hook is not None and given.compression != "none":
+                raise ValueError(
+                    f"pass compression={given.compression!r} or comm_hook, not both: "
+                    f"a hook decides how gradients travel"
+                )
+            reduction = Reduction(compression=compressor(given.compression), hook=hook)
+        return dataclasses.replace(given, reduction=reduction)
+
+
+#: The default options: what every front end's signature shows.
+DEFAULTS = ReducerOptions()
 
 
 class OptimizerOptions(TypedDict, total=False):
     """Options for the optimizers a framework wraps for the user (the Lightning
     strategy's ``optimizer_options``), each as :class:`~pyro_distributed.DistributedOptimizer`
-    documents it; an option left out takes its default.
+    documents it; an option left out takes its default there.
 
     ``multi_tensor`` concerns ``pyro.optim`` optimizers alone: a torch
     optimizer steps its tensors together already (its ``foreach``).
@@ -53,6 +100,7 @@ class OptimizerOptions(TypedDict, total=False):
     compression: Compression
     overlap: bool
     noise_scale: bool | float
+    comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None
     multi_tensor: bool | None
 
 
@@ -73,26 +121,11 @@ def check_optimizer_options(options: Any, where: str) -> OptimizerOptions:
             f"choose from {', '.join(map(repr, known))}"
         )
     try:
-        check_options(
-            options.get("bucket_cap_mb", 25.0),
-            options.get("nonfinite", "skip"),
-            options.get("check_every"),
-            options.get("overlap", True),
-        )
-        compressor(options.get("compression", "none"))
-        NoiseScaleEstimator.smoothing_of(options.get("noise_scale", False))
+        ReducerOptions.of(**{name: options[name] for name in options if name != "multi_tensor"})
         check_bool("multi_tensor", options.get("multi_tensor"), optional=True)
     except (TypeError, ValueError) as error:
         raise type(error)(f"{where}: optimizer_options: {error}") from None
     return OptimizerOptions(**options)  # type: ignore[typeddict-item]
-
-
-def check_options(bucket_cap_mb: Any, nonfinite: Any, check_every: Any, overlap: Any) -> None:
-    """``TypeError`` or ``ValueError`` for an option of the wrong type or value."""
-    check_number("bucket_cap_mb", bucket_cap_mb, positive=True)
-    check_choice("nonfinite", nonfinite, ("skip", "raise"))
-    check_int("check_every", check_every, minimum=1, optional=True)
-    check_bool("overlap", overlap)
 
 
 class EngineBinding:
@@ -146,25 +179,3 @@ class EngineBinding:
                     f"pd.init('local')) before the process group exists."
                 )
         return self._engine
-
-
-def make_sync(
-    engine: Engine,
-    bucket_cap_mb: float,
-    reduction: Reduction,
-    overlap: bool,
-    noise: NoiseScaleEstimator | None,
-    catalog_name: str,
-) -> GradientSync | None:
-    """The gradient exchange for these options; ``None`` with one worker, which
-    has nothing to exchange."""
-    if engine.world_size == 1:
-        return None
-    return GradientSync(
-        engine,
-        max(1, int(bucket_cap_mb * 2**20)),
-        reduction,
-        overlap=overlap,
-        measure_norms=noise is not None,
-        catalog_name=catalog_name,
-    )

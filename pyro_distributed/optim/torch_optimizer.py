@@ -10,12 +10,12 @@ Pyro's torch-native loop trains an ELBO module with a torch optimizer::
 ``state_dict``/``load_state_dict`` and ``add_param_group`` act on the wrapped
 optimizer, whose ``param_groups``, ``state`` and ``defaults`` it shares (the
 same objects, not copies). :meth:`~DistributedTorchOptimizer.step` hands every
-parameter of every group to the same gradient exchange that the Pyro path
-uses (:class:`~pyro_distributed.exchange.sync.GradientSync`), then lets the
-wrapped optimizer step.
+parameter of every group to the same reducer that the Pyro path uses
+(:class:`~pyro_distributed.optim.reducer.Reducer`), then lets the wrapped
+optimizer step.
 
 Parameters are known to the exchange by their position,
-``param_groups[g][i]``, which is the same on every worker that builds its
+``param_groups[g][i]`` (:class:`ParamGroupNames`), which is the same on every worker that builds its
 optimizer the same way; workers whose optimizers differ get an error that
 names the positions.
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -44,10 +44,10 @@ from torch import Tensor
 from ..engines import Engine
 from ..exchange import CommHook, Compression, GradBucket, Reducing
 from ..local.gradients import split_local
-from ..local.sparse import RowGradients
 from ..torch_internals import init_optimizer_hooks
+from .options import DEFAULTS, ReducerOptions
+from .reducer import FrontEnd, Reduced, Reducer
 from .sparse_step import TorchSparseStepper
-from .step import DataParallelStep, FrontEnd, StepOptions, Stepped
 from .step_guards import GradStamps, check_state_fits
 
 Closure = Callable[[], Any]
@@ -115,13 +115,13 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         *,
         engine: str | Engine = "auto",
-        bucket_cap_mb: float = 25.0,
-        nonfinite: Literal["skip", "raise"] = "skip",
-        check_every: int | None = None,
-        compression: Compression = "none",
-        overlap: bool = True,
-        noise_scale: bool | float = False,
-        comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None = None,
+        bucket_cap_mb: float = DEFAULTS.bucket_cap_mb,
+        nonfinite: Literal["skip", "raise"] = DEFAULTS.nonfinite,
+        check_every: int | None = DEFAULTS.check_every,
+        compression: Compression = DEFAULTS.compression,
+        overlap: bool = DEFAULTS.overlap,
+        noise_scale: bool | float = DEFAULTS.noise_scale,
+        comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None = DEFAULTS.comm_hook,
     ) -> None:
         # No super().__init__(): the wrapped optimizer's groups, state and
         # defaults are shared below, so that everything acting on this object
@@ -134,30 +134,30 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
             raise TypeError(
                 "optimizer is already a DistributedTorchOptimizer; wrap the plain optimizer once"
             )
-        options = StepOptions.of(
-            bucket_cap_mb, nonfinite, check_every, compression, overlap, noise_scale, comm_hook
+        options = ReducerOptions.of(
+            bucket_cap_mb=bucket_cap_mb,
+            nonfinite=nonfinite,
+            check_every=check_every,
+            compression=compression,
+            overlap=overlap,
+            noise_scale=noise_scale,
+            comm_hook=comm_hook,
         )
         self.wrapped = optimizer
-        self._synchronized: Stepped | None = None
+        self._synchronized: Reduced | None = None
         self._stamps = GradStamps()
         self._warned_changed = False
         # Swaps the rows of local_updates="sparse" parameters in (optim.sparse_step).
         self._sparse = TorchSparseStepper(optimizer)
-        # Watch from the start, as a run of several workers will (see _on_bind).
+        self._names = ParamGroupNames(optimizer)
+        self._reducer = Reducer(engine, options, self._names, self._names.state)
+        # The hooks go on before local rows are cut (construction, not the
+        # first step): a hook added to a parameter after its rows were cut in
+        # place breaks its next backward. One worker has no average to clip.
         self._stamps.watch([param for _, param in self.named_parameters()])
-        self._step = DataParallelStep(engine, options, self)
-        init_optimizer_hooks(self)
-
-    # -- what the step asks (StepOwner)
-
-    catalog_name: ClassVar[str] = "optimizer"
-
-    def _on_bind(self, exchanges: bool) -> None:
-        # One worker has no average to clip. The hooks go on before local
-        # rows are cut (construction, not the first step): a hook added to a
-        # parameter after its rows were cut in place breaks its next backward.
-        if not exchanges:
+        if self._reducer.bound and self._reducer.sync is None:
             self._stamps.unwatch()
+        init_optimizer_hooks(self)
 
     # -- what torch.optim.Optimizer users read and write, shared with the wrapped one
 
@@ -203,16 +203,14 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         raise TypeError("a DistributedTorchOptimizer is not picklable; save its state_dict()")
 
     def __repr__(self) -> str:
-        engine = self._step.describe_engine()
+        engine = self._reducer.describe_engine()
         return f"DistributedTorchOptimizer({self.wrapped!r}, engine={engine})"
 
     # -- the step
 
     def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
         """Every parameter of every group, by the name the exchange knows it by."""
-        for g, group in enumerate(self.wrapped.param_groups):
-            for i, param in enumerate(group["params"]):
-                yield f"param_groups[{g}][{i}]", param
+        return self._names.named_parameters()
 
     def synchronize(self) -> None:
         """Average the gradients now, before ``step()``: to clip the averaged gradient.
@@ -229,7 +227,7 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         """
         if self.sync is None or self._synchronized is not None:
             return
-        self._synchronized = self._exchange()
+        self._synchronized = self._reduce()
 
     def step(self, closure: Closure | None = None) -> Any:
         """Average the gradients across workers, then step the wrapped optimizer.
@@ -242,38 +240,36 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._step.start():
-            self._step_wrapped(self._sparse.take())
-            return loss
-        stepped = self._synchronized
-        if stepped is None:
-            self._warn_if_changed_since_backward()
-            stepped = self._exchange()
+        reduced = self._synchronized
+        if reduced is None:
+            if self.sync is not None:
+                self._warn_if_changed_since_backward()
+            reduced = self._reduce()
         self._synchronized = None
-        self._step.finish(stepped, lambda _: self._step_wrapped(stepped.sparse))
-        if not self._warned_changed:
-            self._stamps.watch(stepped.exchanged.tensors)
+        try:
+            if reduced.finite:
+                # The wrapped optimizer's own step: every dense parameter on its
+                # (averaged) .grad and, swapped in for their parameters, the rows
+                # of sparse local ones (local_updates="sparse").
+                with self._sparse.swapped_in(reduced.sparse):
+                    self.wrapped.step()
+        finally:
+            self._reducer.done(reduced)
+        if reduced.exchanged is None:
+            self._stamps.unwatch()  # one worker has no average to clip
+        elif not self._warned_changed:
+            self._stamps.watch(reduced.exchanged.tensors)
         return loss
 
-    def _step_wrapped(self, sparse: list[RowGradients]) -> None:
-        """The wrapped optimizer's own step: every dense parameter on its
-        (averaged) ``.grad`` and, swapped in for their parameters, the rows of
-        sparse local ones (local_updates="sparse")."""
-        with self._sparse.swapped_in(sparse):
-            self.wrapped.step()
-
-    def _exchange(self) -> Stepped:
+    def _reduce(self) -> Reduced:
         # First: an optimizer without a lazy rule is refused before anything travels.
         sparse = self._sparse.take()
         # Names are positions in the groups: the same ids in the same places,
         # the same names, and the same plan.
         groups = self.wrapped.param_groups
         key = tuple(tuple(map(id, group["params"])) for group in groups)
-        plan = self._step.plan(key, (param for group in groups for param in group["params"]))
-        return self._step.exchange(plan, sparse)
-
-    def _named(self, tensors: tuple[Tensor, ...]) -> dict[str, Tensor]:
-        return dict(self.named_parameters())  # the plan's tensors, in the groups' order
+        params = (param for group in groups for param in group["params"])
+        return self._reducer.reduce(key, params, sparse)
 
     def _warn_if_changed_since_backward(self) -> None:
         if self._warned_changed:
@@ -295,14 +291,39 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
     def get_state(self) -> dict[str, Any]:
         """Per-parameter optimizer state of the replicated parameters, by exchange
         name (for drift checks)."""
-        state = self.wrapped.state
-        return {name: dict(state[p]) for name, p in self.checked_tensors().items() if p in state}
+        return self._names.state()
 
     def checked_tensors(self) -> dict[str, Tensor]:
         """The parameters that must be identical on every worker (local ones are
         each worker's own), by exchange name."""
+        return self._names.catalog()
+
+
+class ParamGroupNames:
+    """A torch optimizer's parameters by their position, ``param_groups[g][i]``
+    (the :class:`~.reducer.Names` of :class:`DistributedTorchOptimizer`)."""
+
+    catalog_name = "optimizer"
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        for g, group in enumerate(self._optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                yield f"param_groups[{g}][{i}]", param
+
+    def of(self, tensors: tuple[Tensor, ...]) -> dict[str, Tensor]:
+        return dict(self.named_parameters())  # the plan's tensors, in the groups' order
+
+    def catalog(self) -> dict[str, Tensor]:
         replicated, _ = split_local(dict(self.named_parameters()))
         return replicated
 
-    def _check_local(self, local: dict[str, Tensor]) -> None:
-        check_state_fits(self.wrapped, local)
+    def check_local(self, local: dict[str, Tensor]) -> None:
+        check_state_fits(self._optimizer, local)
+
+    def state(self) -> dict[str, Any]:
+        """The optimizer's per-parameter state of :meth:`catalog`, by name."""
+        state = self._optimizer.state
+        return {name: dict(state[p]) for name, p in self.catalog().items() if p in state}

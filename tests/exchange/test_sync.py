@@ -138,7 +138,7 @@ def forgetting() -> dict[str, Any]:
     engine = CountingEngine(pd.current_engine())
     sync = GradientSync(engine, CAP, Reduction(), overlap=True)
     tensors = leaves()
-    plan = sync.plan(tensors)  # kept across forget(): made again at its next exchange
+    plan = sync.plan(tensors)
     for step in range(3):
         backward(tensors, step)
         sync.exchange(plan, lambda: tensors)
@@ -154,6 +154,7 @@ def forgetting() -> dict[str, Any]:
     for t in tensors.values():
         t.grad = None
     sync.forget()
+    plan = sync.plan(tensors)  # a plan made before forget() is stale
     armed_after_forget = sync.overlap_armed
     engine.calls.clear()
     backward(tensors, 4)

@@ -1,12 +1,23 @@
-"""The options both front ends take (pyro_distributed.optim.options)."""
+"""The options every front end takes (pyro_distributed.optim.options): their
+defaults written once, each wrong one refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import pytest
+import torch
 
 import pyro_distributed as pd
-from pyro_distributed.exchange import Reduction
-from pyro_distributed.optim.options import EngineBinding, check_options, make_sync
+from pyro_distributed.optim.horovod import _FUSION_MB
+from pyro_distributed.optim.options import (
+    DEFAULTS,
+    EngineBinding,
+    OptimizerOptions,
+    ReducerOptions,
+    check_optimizer_options,
+)
 
 from ..support.harness import run_workers
 
@@ -14,19 +25,32 @@ from ..support.harness import run_workers
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
-        ((0, "skip", None, True), ValueError, "bucket_cap_mb must be positive"),
-        (("1", "skip", None, True), TypeError, "bucket_cap_mb must be a number"),
-        ((1.0, "ignore", None, True), ValueError, "nonfinite must be 'skip' or 'raise'"),
-        ((1.0, "skip", 0, True), ValueError, "check_every must be a positive int"),
-        ((1.0, "skip", 2.5, True), TypeError, "check_every must be an int or None"),
-        ((1.0, "skip", None, 1), TypeError, "overlap must be True or False"),
+        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be positive"),
+        ({"bucket_cap_mb": "1"}, TypeError, "bucket_cap_mb must be a number"),
+        ({"nonfinite": "ignore"}, ValueError, "nonfinite must be 'skip' or 'raise'"),
+        ({"check_every": 0}, ValueError, "check_every must be a positive int"),
+        ({"check_every": 2.5}, TypeError, "check_every must be an int or None"),
+        ({"overlap": 1}, TypeError, "overlap must be True or False"),
     ],
 )
 def test_each_bad_option_gets_its_own_error(
-    options: tuple[object, ...], error: type[Exception], message: str
+    options: dict[str, object], error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error, match=message):
-        check_options(*options)
+        ReducerOptions.of(**options)
+    with pytest.raises(error, match=message):
+        check_optimizer_options(options, "here")
+
+
+def test_every_front_end_takes_its_defaults_from_the_one_dataclass() -> None:
+    fields = {field.name for field in dataclasses.fields(ReducerOptions)} - {"reduction"}
+    for front_end in (pd.DistributedOptimizer, pd.DistributedTorchOptimizer):
+        parameters = inspect.signature(front_end.__init__).parameters
+        for name in fields:
+            assert parameters[name].default == getattr(DEFAULTS, name), (front_end, name)
+    assert set(OptimizerOptions.__annotations__) == fields | {"multi_tensor"}
+    assert ReducerOptions.of() == DEFAULTS
+    assert ReducerOptions.of(bucket_cap_mb=_FUSION_MB).bucket_cap_mb == _FUSION_MB
 
 
 def test_an_engine_or_local_binds_at_once_and_a_bad_one_is_refused() -> None:
@@ -47,7 +71,8 @@ def test_an_engine_or_local_binds_at_once_and_a_bad_one_is_refused() -> None:
 
 
 def sync_kind() -> tuple[bool, bool]:
-    sync = make_sync(pd.current_engine(), 1.0, Reduction(), True, None, "optimizer")
+    param = torch.nn.Parameter(torch.zeros(2))
+    sync = pd.DistributedTorchOptimizer(torch.optim.SGD([param], lr=0.1), bucket_cap_mb=1.0).sync
     return sync is None, sync is not None and sync.overlaps
 
 

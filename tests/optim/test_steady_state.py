@@ -15,13 +15,13 @@ from pyro.infer import SVI, Trace_ELBO
 
 import pyro_distributed as pd
 from pyro_distributed.exchange import agreement
-from pyro_distributed.optim import distributed, step
+from pyro_distributed.optim import distributed, reducer
 
 from ..support.harness import WorkerFailure, run_workers
 from ..support.models import TOTAL, param_values, regression_data
 
 #: The per-tensor passes that the steady state skips, by where they are looked up.
-PASSES = [(distributed, "_by_store_name"), (step, "split_local"), (agreement, "digest_int")]
+PASSES = [(distributed, "_by_store_name"), (reducer, "split_local"), (agreement, "digest_int")]
 
 
 def _counted(calls: Counter[str]) -> None:
