@@ -40,13 +40,13 @@ import torch
 from pyro.infer import SVI
 from pyro.optim import PyroOptim
 
-from ..checkpoint.modules import module_locals
-from ..consensus import ABSENT, require_agreement
-from ..digest import digest
-from ..engines import Engine
-from ..errors import PyroDistributedError
-from ..local.registry import local_params
-from ..optim.distributed import DistributedOptimizer
+from ...checkpoint.modules import module_locals
+from ...consensus import ABSENT, require_agreement
+from ...digest import digest
+from ...engines import Engine
+from ...errors import PyroDistributedError
+from ...local.registry import local_params
+from ...optim.distributed import DistributedOptimizer
 
 
 def distribute_svi_optimizers(

@@ -58,13 +58,14 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from .. import runtime
-from ..data.shards import ShardSampler
-from ..engines import Engine
-from ..errors import PyroDistributedError
-from ..partition import block_range
-from ..seeding import derived_seed
-from . import anndata, internals
+from ... import runtime
+from ...data.shards import ShardSampler
+from ...engines import Engine
+from ...errors import PyroDistributedError
+from ...partition import block_range
+from ...seeding import derived_seed
+from ..scvi import anndata
+from . import internals
 
 # Names the training loaders' generators among the derived seeds.
 _LOADER_STREAM = 0x10AD

@@ -45,9 +45,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import runtime
-from ..errors import PyroDistributedError
-from ..gather import stream_pieces
+from ... import runtime
+from ...errors import PyroDistributedError
+from ...gather import stream_pieces
 
 __all__ = ["write_owned_obsm"]
 

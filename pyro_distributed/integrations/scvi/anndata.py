@@ -39,11 +39,11 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 
-from .. import runtime
-from ..engines import Engine
-from ..errors import PyroDistributedError
-from ..partition import block_range
-from ..seeding import derived_seed
+from ... import runtime
+from ...engines import Engine
+from ...errors import PyroDistributedError
+from ...partition import block_range
+from ...seeding import derived_seed
 
 # scvi-tools' REGISTRY_KEYS.INDICES_KEY: the observation's index, in every batch.
 _INDICES_KEY = "ind_x"

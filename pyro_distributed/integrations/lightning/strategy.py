@@ -50,16 +50,16 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 
-from .. import runtime
-from ..checks import check_bool
-from ..data.subsample import shard_subsamples
-from ..engines import Engine, check_engine_name, engine_class
-from ..errors import PyroDistributedError
-from ..local.sparse import check_local_updates
-from ..optim.options import OptimizerOptions, check_optimizer_options
-from ..optim.torch_optimizer import DistributedTorchOptimizer
+from ... import runtime
+from ...checks import check_bool
+from ...data.subsample import shard_subsamples
+from ...engines import Engine, check_engine_name, engine_class
+from ...errors import PyroDistributedError
+from ...local.sparse import check_local_updates
+from ...optim.options import OptimizerOptions, check_optimizer_options
+from ...optim.torch_optimizer import DistributedTorchOptimizer
+from ..scvi import anndata
 from . import (
-    anndata,
     checkpoints,
     collectives,
     data,

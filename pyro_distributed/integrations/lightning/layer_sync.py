@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..engines import Engine
-from ..errors import PyroDistributedError
+from ...engines import Engine
+from ...errors import PyroDistributedError
 
 
 def apply(

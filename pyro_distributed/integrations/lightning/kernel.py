@@ -27,13 +27,13 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..checkpoint import files, param_store
-from ..checkpoint.modules import module_locals
-from ..engines import Engine
-from ..engines.local import LocalEngine
-from ..errors import PyroDistributedError
-from ..local.blocks import load_blocks
-from ..local.registry import LocalParam
+from ...checkpoint import files, param_store
+from ...checkpoint.modules import module_locals
+from ...engines import Engine
+from ...engines.local import LocalEngine
+from ...errors import PyroDistributedError
+from ...local.blocks import load_blocks
+from ...local.registry import LocalParam
 from . import internals
 
 STORE = "store.pt"

@@ -37,10 +37,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .. import runtime
-from ..data.subsample import shard_subsamples
-from ..gather import gather_pieces
-from ..partition import block_range
+from ... import runtime
+from ...data.subsample import shard_subsamples
+from ...gather import gather_pieces
+from ...partition import block_range
 
 __all__ = ["owned_posterior"]
 

@@ -15,7 +15,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the tests run with Lightning installed
     raise ImportError("pyro_distributed.lightning needs Lightning: pip install lightning") from exc
 
-from ..optim.options import OptimizerOptions
+from ...optim.options import OptimizerOptions
 from .data import IndexedDataset
 from .strategy import PyroDistributedStrategy
 

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engines import Engine
-from ..errors import PyroDistributedError
-from ..local.gradients import split_local
+from ...engines import Engine
+from ...errors import PyroDistributedError
+from ...local.gradients import split_local
 
 # Lightning's names for a reduction (also torch's ReduceOp, lower-cased), to the engine's.
 _REDUCE_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}

@@ -23,8 +23,8 @@ from typing import Any
 
 from pyro.optim import PyroOptim
 
-from ..checkpoint.modules import ModuleLocal, module_locals
-from ..data.subsample import shard_subsamples
+from ...checkpoint.modules import ModuleLocal, module_locals
+from ...data.subsample import shard_subsamples
 
 
 def pyro_optimizer(module: Any) -> PyroOptim | None:

@@ -1,0 +1,1 @@
+"""scvi-tools and AnnData with local parameters owned by their worker."""
