@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pyro_distributed import safe_files
-from pyro_distributed.lightning import PyroDistributedStrategy
+from pyro_distributed.integrations.lightning import PyroDistributedStrategy
 
 from ..harness import one_pytest_worker
 from .scripts.fit_regression import N, listing

@@ -21,7 +21,7 @@ runs the same collective on every worker:
   as pickled objects, through ``allgather_object``.
 * :func:`gather_predictions` puts ``trainer.predict``'s results on worker 0 in
   the data's order, which is the order of the workers' blocks
-  (:class:`~pyro_distributed.lightning.data.EvaluationSampler`).
+  (:class:`~pyro_distributed.integrations.lightning.data.EvaluationSampler`).
 * :func:`leave_together` has every worker meet once more at exit before the
   process group is torn down.
 """

@@ -9,7 +9,7 @@ plan needs both:
 * :func:`pyro_optimizer_state` and :func:`restore_pyro_optimizer`: the Pyro
   optimizer's state, global parameters' in Lightning's file and each local
   parameter's rows in its worker's block file (as a torch optimizer's rows
-  are, :mod:`pyro_distributed.lightning.checkpoints`), handed back with
+  are, :mod:`pyro_distributed.integrations.lightning.checkpoints`), handed back with
   ``PyroOptim.set_state``, which applies it as each parameter appears;
 * :func:`create_guide_params`: the guide's parameters created, local ones
   cut to this worker's block, before Lightning restores the module (it

@@ -12,7 +12,7 @@ joined along the observation plate in the AnnData's order. Global sites'
 summaries are worker 0's. No worker ever holds another worker's samples,
 nor every observation's. With ``to="owners"`` the summaries are not joined
 either: each worker keeps its block's, and
-:func:`~pyro_distributed.lightning.obsm_writer.write_owned_obsm` writes
+:func:`~pyro_distributed.integrations.scvi.obsm_writer.write_owned_obsm` writes
 them into an ``.h5ad`` file block by block, so that no worker ever holds
 every spot's summaries (at Visium HD sizes they are hundreds of MB each).
 
