@@ -58,7 +58,7 @@ from ...errors import PyroDistributedError
 from ...local.sparse import check_local_updates
 from ...optim.options import OptimizerOptions, check_optimizer_options
 from ...optim.torch_optimizer import DistributedTorchOptimizer
-from ..scvi import anndata
+from ..scvi import anndata, guides
 from . import (
     checkpoints,
     collectives,
@@ -300,7 +300,7 @@ class PyroDistributedStrategy(DDPStrategy):
         collectives.broadcast_module(self.engine, self.model)
         internals.disable_sampler_injection(trainer)
         if self.own_local_params:
-            pyro_state.shard_guide_warmups(trainer.callbacks)
+            guides.shard_guide_warmups(trainer.callbacks)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -420,7 +420,7 @@ class PyroDistributedStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         if self.own_local_params:  # a Pyro plan's lazily built guide: its parameters, cut
-            pyro_state.create_guide_params(module, getattr(module.trainer, "datamodule", None))
+            guides.create_guide_params(module, getattr(module.trainer, "datamodule", None))
         state = checkpoints.module_state(checkpoint, self._resumption, module, self.engine)
         super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
         if module.trainer.state.fn == TrainerFn.FITTING:  # where the resumed run first draws

@@ -3,11 +3,15 @@
 With ``PyroDistributedStrategy(own_local_params=True)`` each worker trains,
 holds and summarises its block of observations only. What it takes for
 scvi-tools' objects lives here: the loaders and data splitter cut to the
-block (:mod:`.anndata`), count matrices read from the ``.h5ad`` file by rows
+block (:mod:`~pyro_distributed.integrations.scvi.anndata`), the guide of a
+Pyro plan set up on the block (:mod:`~pyro_distributed.integrations.scvi.guides`),
+count matrices read from the ``.h5ad`` file by rows
 (:func:`read_h5ad_by_rows`), posterior summaries computed where the
 observations live (:func:`owned_posterior`) and written from there
 (:func:`write_owned_obsm`). None of it imports scvi-tools or Lightning: it
-works on the objects the user's model hands it.
+works on the objects the user's model hands it, and every reach into
+scvi-tools' private names is in
+:mod:`~pyro_distributed.integrations.scvi.internals`.
 """
 
 from __future__ import annotations

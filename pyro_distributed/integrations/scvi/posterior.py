@@ -41,6 +41,7 @@ from ... import runtime
 from ...data.subsample import shard_subsamples
 from ...gather import gather_pieces
 from ...partition import block_range
+from . import internals
 
 __all__ = ["owned_posterior"]
 
@@ -79,7 +80,7 @@ def owned_posterior(model: Any, *, to: SummariesTo = "all") -> Iterator[Any]:
         return None if to == "main" and engine.rank != 0 else joined
 
     model.sample_posterior = sample_posterior
-    if hasattr(model, "_posterior_quantile"):
+    if internals.has_posterior_quantile(model):
         model.posterior_quantile = _quantiles(model, block, engine, to)
     try:
         yield model
@@ -101,9 +102,7 @@ def _quantiles(
         kwargs.pop("batch_size", None)
         exclude = kwargs.pop("exclude_vars", None) or []
         with shard_subsamples(own_local_params=True):
-            values = model._posterior_quantile(
-                batch_size=len(block), data_loader_indices=block, exclude_vars=exclude, **kwargs
-            )
+            values = internals.posterior_quantile(model, block, exclude_vars=exclude, **kwargs)
         joined = _join(engine, values, _plate_sites(model, block), to)
         return None if to == "main" and engine.rank != 0 else joined
 
@@ -113,13 +112,10 @@ def _quantiles(
 def _plate_sites(model: Any, block: np.ndarray) -> dict[str, int]:
     """Each site of the observation plate, with the plate's axis in its values,
     traced on a few observations of this worker's block (scvi-tools' own rule)."""
-    loader = model._make_data_loader(
-        adata=model.adata, indices=block[:16], shuffle=False, batch_size=16
-    )
-    args, kwargs = model.module._get_fn_args_from_batch(next(iter(loader)))
+    loader = internals.data_loader(model, block[:16])
+    args, kwargs = internals.batch_args(model.module, next(iter(loader)))
     with shard_subsamples(own_local_params=True), torch.no_grad():
-        sites: dict[str, int] = model._get_obs_plate_sites(args, kwargs, return_observed=True)
-    return sites
+        return internals.obs_plate_sites(model, args, kwargs)
 
 
 def _join(engine: Any, values: Summaries, sites: dict[str, int], to: SummariesTo) -> Summaries:
