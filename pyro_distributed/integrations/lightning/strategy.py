@@ -369,7 +369,8 @@ class PyroDistributedStrategy(DDPStrategy):
         evaluation and prediction loaders with
         :class:`~pyro_distributed.integrations.lightning.data.EvaluationSampler`
         (:func:`.data.shard_loader`); with ``own_local_params``, scvi-tools'
-        loaders keep this worker's block (:func:`.anndata.owned_loader`). A
+        loaders keep this worker's block
+        (:func:`~pyro_distributed.integrations.scvi.anndata.owned_loader`). A
         training loader gets a generator of its own (see the checkpoint hooks)."""
         stage = self.lightning_module.trainer.state.stage if self.lightning_module else None
         return data.prepare_loader(
