@@ -1,4 +1,4 @@
-"""The old import paths of the integrations (pyro_distributed/lightning/__init__.py) still work.
+"""The old import paths of the integrations (pyro_distributed/lightning.py) still work.
 
 Each warns with a ``DeprecationWarning`` that names the new path, and gives
 the moved module itself, not a copy: the strategy's class is the same object

@@ -1,12 +1,15 @@
 """Deprecated: the Lightning integration is :mod:`pyro_distributed.integrations.lightning`.
 
-Importing this package, or any module it used to hold, warns with a
+Importing this module, or any module the package of this name used to hold, warns with a
 ``DeprecationWarning`` that names the new path and gives the new module's
 objects themselves, so the strategy is registered once whichever path
 imports it. The old modules are no files of their own: a finder maps
 ``pyro_distributed.lightning.<module>`` to the module's new home, in
 :mod:`pyro_distributed.integrations.lightning` or, for the scvi-tools code,
-:mod:`pyro_distributed.integrations.scvi`.
+:mod:`pyro_distributed.integrations.scvi`. This is one file, not a package,
+so that tools that walk the package (``pkgutil.walk_packages``) do not
+import it; its empty ``__path__`` lets the import system look for
+submodules, which the finder alone answers.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from collections.abc import Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 
-from ..integrations.lightning import IndexedDataset, OptimizerOptions, PyroDistributedStrategy
+from .integrations.lightning import IndexedDataset, OptimizerOptions, PyroDistributedStrategy
 
 __all__ = ["IndexedDataset", "OptimizerOptions", "PyroDistributedStrategy"]
+__path__: list[str] = []
 
 NEW_PATHS = {
     **{
