@@ -61,7 +61,15 @@ def owned_posterior(model: Any, *, to: SummariesTo = "all") -> Iterator[Any]:
     :param to: ``"all"`` (default): every worker gets every observation's
         summaries, so the model's own exports (``export_posterior``) work on
         every worker; ``"main"``: worker 0 only, and other workers get ``None``
-        from the methods (call exports on worker 0 alone then).
+        from the methods (call exports on worker 0 alone then); ``"owners"``:
+        each worker keeps its block's summaries, in the AnnData's order (write
+        them with :func:`~pyro_distributed.integrations.scvi.write_owned_obsm`).
+
+    Example::
+
+        with owned_posterior(model):             # on every worker
+            summaries = model.sample_posterior(num_samples=100)
+        summaries["means"]["w_sf"].shape         # (every spot, cell types)
     """
     engine = runtime.current_engine()
     n_obs = int(model.adata.n_obs)
