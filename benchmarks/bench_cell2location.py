@@ -98,8 +98,8 @@ def worker(args: argparse.Namespace) -> None:
     import scvi
     import torch
 
-    from pyro_distributed.lightning import PyroDistributedStrategy
-    from pyro_distributed.lightning.posterior import owned_posterior
+    from pyro_distributed.integrations.lightning import PyroDistributedStrategy
+    from pyro_distributed.integrations.scvi import owned_posterior
 
     torch.set_num_threads(args.threads)
     scvi.settings.seed = args.seed

@@ -64,7 +64,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     import pyro_distributed as pd
-    from pyro_distributed.lightning import IndexedDataset, PyroDistributedStrategy
+    from pyro_distributed.integrations.lightning import IndexedDataset, PyroDistributedStrategy
 
     torch.set_num_threads(1)
     pyro.set_rng_seed(0)

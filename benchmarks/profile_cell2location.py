@@ -72,7 +72,7 @@ def worker(args: argparse.Namespace) -> None:
     import scvi
     import torch
 
-    from pyro_distributed.lightning import PyroDistributedStrategy
+    from pyro_distributed.integrations.lightning import PyroDistributedStrategy
 
     torch.set_num_threads(1)
     scvi.settings.seed = 0

@@ -131,8 +131,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from cell2location.models import Cell2location
 
-    from pyro_distributed.lightning import PyroDistributedStrategy
-    from pyro_distributed.lightning.posterior import owned_posterior
+    from pyro_distributed.integrations.lightning import PyroDistributedStrategy
+    from pyro_distributed.integrations.scvi import owned_posterior
 
     torch.set_num_threads(args.threads)
     scvi.settings.seed = args.seed
@@ -188,8 +188,7 @@ def write_by_owners(model: Any, path: str) -> np.ndarray:
     read back whole (for the comparison only)."""
     import anndata
 
-    from pyro_distributed.lightning.obsm_writer import write_owned_obsm
-    from pyro_distributed.lightning.posterior import owned_posterior
+    from pyro_distributed.integrations.scvi import owned_posterior, write_owned_obsm
 
     with owned_posterior(model, to="owners"):
         median = model.posterior_quantile(q=0.5)  # export_posterior's call; this worker's spots
@@ -220,7 +219,7 @@ def read_h5ad(path: str | Path, *, by_rows: bool) -> tuple[Any, Any]:
     import pandas
 
     if by_rows:
-        from pyro_distributed.lightning.rows_on_disk import read_h5ad_by_rows
+        from pyro_distributed.integrations.scvi import read_h5ad_by_rows
 
         adata = read_h5ad_by_rows(path)
     else:

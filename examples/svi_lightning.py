@@ -33,7 +33,7 @@ from pyro.nn import PyroModule
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_distributed as pd
-from pyro_distributed.lightning import IndexedDataset, PyroDistributedStrategy
+from pyro_distributed.integrations.lightning import IndexedDataset, PyroDistributedStrategy
 
 TRUE_W = (2.0, -1.0, 0.5)
 

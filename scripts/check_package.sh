@@ -41,7 +41,8 @@ import pathlib
 import sys
 
 import pyro_distributed as pd
-import pyro_distributed.lightning
+import pyro_distributed.integrations.lightning
+import pyro_distributed.integrations.scvi
 
 venv, version = pathlib.Path(sys.argv[1]), sys.argv[2]
 where = pathlib.Path(pd.__file__).resolve()

@@ -1,7 +1,8 @@
 """docs/api/summary.md: the signatures its table shows are the code's.
 
 The table's first column names the public names (``pyro_distributed.__all__``,
-``pyro_distributed.lightning.__all__`` and the ``scaling`` namespace), most
+the ``__all__`` of ``pyro_distributed.integrations.lightning`` and ``.scvi``, and the
+``scaling`` namespace), most
 with a signature, ``name(parameters)``. Each shown signature must have the
 parameters that ``inspect.signature`` finds in the code: the same names, in
 the same order, of the same kinds (``*``, ``*args``, ``**kwargs``) and with the
@@ -24,11 +25,16 @@ from typing import Any
 import pytest
 
 import pyro_distributed
-import pyro_distributed.lightning
+import pyro_distributed.integrations.lightning
+import pyro_distributed.integrations.scvi
 
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY = ROOT / "docs" / "api" / "summary.md"
-PUBLIC = (pyro_distributed, pyro_distributed.lightning)
+PUBLIC = (
+    pyro_distributed,
+    pyro_distributed.integrations.lightning,
+    pyro_distributed.integrations.scvi,
+)
 INSTANCES: dict[str, type] = {
     "optim": pyro_distributed.DistributedOptimizer,
     "optimizer": pyro_distributed.DistributedTorchOptimizer,
@@ -68,8 +74,8 @@ def resolve(dotted: str) -> tuple[Any, bool]:
         assert len(rest) == 1, f"{dotted}: one method of {INSTANCES[head].__name__}"
         return getattr(INSTANCES[head], rest[0]), True
     obj: Any = pyro_distributed
-    if head == "lightning":
-        obj, (head, *rest) = pyro_distributed.lightning, rest
+    if head in ("lightning", "scvi"):
+        obj, (head, *rest) = getattr(pyro_distributed.integrations, head), rest
     for part in (head, *rest):
         if isinstance(obj, ModuleType):
             assert part in obj.__all__, f"{dotted}: {part} is not in {obj.__name__}.__all__"
@@ -162,6 +168,6 @@ def test_every_public_name_is_on_the_page() -> None:
         name
         for module in PUBLIC
         for name in module.__all__
-        if not re.search(r"`(lightning\.)?" + re.escape(name) + r"\b", text)
+        if not re.search(r"`((lightning|scvi)\.)?" + re.escape(name) + r"\b", text)
     ]
     assert not missing, f"public names that docs/api/summary.md leaves out: {missing}"

@@ -25,7 +25,11 @@ from sphinx.application import Sphinx
 from sphinx.environment import BuildEnvironment
 from sphinx.util.docutils import SphinxDirective
 
-PUBLIC_MODULES = ("pyro_distributed", "pyro_distributed.lightning")
+PUBLIC_MODULES = (
+    "pyro_distributed",
+    "pyro_distributed.integrations.lightning",
+    "pyro_distributed.integrations.scvi",
+)
 MISSING = object()
 
 
@@ -125,7 +129,7 @@ def lookup(path: str, base: object = None) -> object:
 
 
 def public_name(obj: object) -> str | None:
-    """``pyro_distributed[.lightning].NAME`` when ``obj`` is a public name, else None."""
+    """``MODULE.NAME``, the name users import ``obj`` by, if it is public; else None."""
     for qualname in PUBLIC_MODULES:
         module = sys.modules.get(qualname)
         for name in getattr(module, "__all__", ()):

@@ -88,7 +88,10 @@ class OptimizerOptions(TypedDict, total=False):
 
     Example::
 
-        from pyro_distributed.lightning import OptimizerOptions, PyroDistributedStrategy
+        from pyro_distributed.integrations.lightning import (
+            OptimizerOptions,
+            PyroDistributedStrategy,
+        )
 
         options: OptimizerOptions = {"compression": "bf16", "check_every": 100}
         strategy = PyroDistributedStrategy(optimizer_options=options)

@@ -27,7 +27,7 @@ import sys
 import numpy as np
 import pyro, scvi, torch
 from cell2location.models import Cell2location
-from pyro_distributed.lightning import PyroDistributedStrategy
+from pyro_distributed.integrations.lightning import PyroDistributedStrategy
 sys.path.insert(0, "examples")
 import cell2location_spatial as example
 

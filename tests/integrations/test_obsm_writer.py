@@ -17,8 +17,7 @@ import torch
 
 import pyro_distributed as pd
 from pyro_distributed import runtime
-from pyro_distributed.lightning import obsm_writer
-from pyro_distributed.lightning.obsm_writer import write_owned_obsm
+from pyro_distributed.integrations.scvi import obsm_writer, write_owned_obsm
 
 from ..support.harness import CountingEngine, WorkerFailure, run_workers
 

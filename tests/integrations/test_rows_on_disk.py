@@ -50,7 +50,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
 def test_rows_are_read_in_any_order_and_only_they_are_counted(written: tuple[Path, Any]) -> None:
     import anndata.abc
 
-    from pyro_distributed.lightning.rows_on_disk import RowsOnDisk
+    from pyro_distributed.integrations.scvi.rows_on_disk import RowsOnDisk
 
     path, counts = written
     rows = RowsOnDisk(path)
@@ -73,7 +73,7 @@ def test_rows_are_read_in_any_order_and_only_they_are_counted(written: tuple[Pat
 
 
 def test_row_sums_stream_and_equal_the_in_memory_matrix_bitwise(written: tuple[Path, Any]) -> None:
-    from pyro_distributed.lightning.rows_on_disk import STREAM_ROWS, RowsOnDisk
+    from pyro_distributed.integrations.scvi.rows_on_disk import STREAM_ROWS, RowsOnDisk
 
     path, counts = written
     rows = RowsOnDisk(path)
@@ -95,7 +95,7 @@ def test_the_anndata_keeps_annotations_in_memory_and_counts_on_disk(
 ) -> None:
     import anndata.abc
 
-    from pyro_distributed.lightning.rows_on_disk import RowsOnDisk, read_h5ad_by_rows
+    from pyro_distributed.integrations.scvi.rows_on_disk import RowsOnDisk, read_h5ad_by_rows
 
     path, counts = written
     adata = read_h5ad_by_rows(path)
@@ -113,7 +113,7 @@ def test_the_anndata_keeps_annotations_in_memory_and_counts_on_disk(
 def test_counts_stored_dense_are_refused_with_the_fix(tmp_path: Path) -> None:
     import anndata
 
-    from pyro_distributed.lightning.rows_on_disk import read_h5ad_by_rows
+    from pyro_distributed.integrations.scvi import read_h5ad_by_rows
 
     path = tmp_path / "dense.h5ad"
     anndata.AnnData(X=np.ones((4, 3), dtype=np.float32)).write_h5ad(path)

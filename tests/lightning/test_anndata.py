@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
-from pyro_distributed.lightning.anndata import OwnedBatchSampler, is_batch_sampler_loader
+from pyro_distributed.integrations.scvi.anndata import OwnedBatchSampler, is_batch_sampler_loader
 
 
 def test_every_position_once_an_epoch_in_the_agreed_number_of_batches() -> None:

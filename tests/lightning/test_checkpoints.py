@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pyro_distributed import safe_files
-from pyro_distributed.lightning import PyroDistributedStrategy
+from pyro_distributed.integrations.lightning import PyroDistributedStrategy
 
 from ..support.harness import one_pytest_worker
 from ..support.lightning_reference import fit, launch

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from pyro_distributed.lightning import IndexedDataset
+from pyro_distributed.integrations.lightning import IndexedDataset
 
 
 def test_every_kind_of_index_gives_the_rows_it_selects() -> None:

@@ -1,4 +1,4 @@
-"""Every Lightning private name that pyro_distributed/lightning/internals.py uses is still there.
+"""Every Lightning private name that integrations/lightning/internals.py uses is still there.
 
 A failure names the installed Lightning version: read internals.py when upgrading.
 """
@@ -13,7 +13,7 @@ from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from pyro_distributed.lightning import internals
+from pyro_distributed.integrations.lightning import internals
 
 VERSION = f"lightning {lightning.__version__}"
 

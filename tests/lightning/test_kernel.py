@@ -22,7 +22,7 @@ import pyro, torch
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from torch.utils.data import DataLoader
-from pyro_distributed.lightning import IndexedDataset, PyroDistributedStrategy
+from pyro_distributed.integrations.lightning import IndexedDataset, PyroDistributedStrategy
 sys.path.insert(0, "examples")
 import svi_lightning as example
 

@@ -23,7 +23,7 @@ from torch.utils.data import (
 )
 
 import pyro_distributed as pd
-from pyro_distributed.lightning.data import shard_loader
+from pyro_distributed.integrations.lightning.data import shard_loader
 
 from ..support.harness import run_workers
 

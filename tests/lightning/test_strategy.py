@@ -243,7 +243,7 @@ def test_devices_that_do_not_count_mpiexecs_workers_are_refused(tmp_path: Path) 
 
 @pytest.mark.parametrize("engine", ["local", "mpi-ish"])
 def test_an_engine_the_strategy_cannot_use_is_refused(engine: str) -> None:
-    from pyro_distributed.lightning import PyroDistributedStrategy
+    from pyro_distributed.integrations.lightning import PyroDistributedStrategy
 
     refused = f"PyroDistributedStrategy: unknown engine '{engine}'; choose one of 'auto', "
     with pytest.raises(ValueError, match=refused + "'horovod', 'torch', 'mpi'$"):
@@ -261,7 +261,7 @@ def test_an_engine_the_strategy_cannot_use_is_refused(engine: str) -> None:
 def test_local_updates_the_strategy_cannot_use_are_refused(
     options: dict[str, Any], error: type[Exception], message: str
 ) -> None:
-    from pyro_distributed.lightning import PyroDistributedStrategy
+    from pyro_distributed.integrations.lightning import PyroDistributedStrategy
 
     with pytest.raises(error, match=message) as raised:
         PyroDistributedStrategy(**options)
@@ -283,7 +283,7 @@ def test_local_updates_the_strategy_cannot_use_are_refused(
 def test_optimizer_options_are_checked_when_the_strategy_is_made(
     options: Any, error: type[Exception], message: str
 ) -> None:
-    from pyro_distributed.lightning import PyroDistributedStrategy
+    from pyro_distributed.integrations.lightning import PyroDistributedStrategy
 
     with pytest.raises(error, match=message) as raised:
         PyroDistributedStrategy(optimizer_options=options)
@@ -299,6 +299,6 @@ def test_the_core_package_never_imports_lightning() -> None:
 def test_the_strategy_is_registered_under_its_name() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from pyro_distributed.lightning import PyroDistributedStrategy
+    from pyro_distributed.integrations.lightning import PyroDistributedStrategy
 
     assert StrategyRegistry.get("pyro_distributed").__class__ is PyroDistributedStrategy

@@ -23,7 +23,7 @@ import torch
 from cell2location.models import Cell2location
 
 import pyro_distributed as pd
-from pyro_distributed.lightning import PyroDistributedStrategy
+from pyro_distributed.integrations.lightning import PyroDistributedStrategy
 
 ROOT = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location(

@@ -104,7 +104,7 @@ def full_data_loss(model: Any) -> float:
 def train(args: argparse.Namespace) -> dict[str, Any]:
     import scvi
 
-    from pyro_distributed.lightning import PyroDistributedStrategy
+    from pyro_distributed.integrations.lightning import PyroDistributedStrategy
 
     scvi.settings.seed = args.seed
     pyro.clear_param_store()
@@ -186,7 +186,7 @@ def load(args: argparse.Namespace) -> Any:
     """The synthetic data set, made here or read by rows from ``--h5ad``."""
     if args.h5ad is None:
         return synthetic(SEED, args.cells, args.genes, 5)
-    from pyro_distributed.lightning.rows_on_disk import read_h5ad_by_rows
+    from pyro_distributed.integrations.scvi import read_h5ad_by_rows
 
     return read_h5ad_by_rows(args.h5ad)
 

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_distributed as pd
-from pyro_distributed.lightning import PyroDistributedStrategy
+from pyro_distributed.integrations.lightning import PyroDistributedStrategy
 
 
 class WithBatchNorm(pl.LightningModule):

@@ -43,7 +43,7 @@ from pyro.nn import PyroModule
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_distributed as pd
-from pyro_distributed.lightning import IndexedDataset, PyroDistributedStrategy
+from pyro_distributed.integrations.lightning import IndexedDataset, PyroDistributedStrategy
 
 N, N_VAL, N_TEST, TRUE_W, SIGMA = 1000, 101, 57, (2.0, -1.0, 0.5), 0.3
 

@@ -30,7 +30,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule
 from torch.utils.data import DataLoader, TensorDataset
 
-from pyro_distributed.lightning import PyroDistributedStrategy
+from pyro_distributed.integrations.lightning import PyroDistributedStrategy
 
 ROWS, BATCH = 64, 8
 STEPS = 8  # the straight run's: 2 epochs of 4 steps at 2 workers

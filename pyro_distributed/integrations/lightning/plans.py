@@ -40,12 +40,12 @@ import torch
 from pyro.infer import SVI
 from pyro.optim import PyroOptim
 
-from ..checkpoint.modules import module_locals
-from ..engines import Engine
-from ..errors import PyroDistributedError
-from ..local.registry import local_params
-from ..optim.distributed import DistributedOptimizer
-from ..optim.reducer import require_identical
+from ...checkpoint.modules import module_locals
+from ...engines import Engine
+from ...errors import PyroDistributedError
+from ...local.registry import local_params
+from ...optim.distributed import DistributedOptimizer
+from ...optim.reducer import require_identical
 
 
 def distribute_svi_optimizers(

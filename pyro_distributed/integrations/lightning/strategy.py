@@ -18,22 +18,22 @@ it changes is what DDP does with gradients and data:
 * Training steps run inside :func:`~pyro_distributed.shard_subsamples`, with
   local parameters owned by their worker when ``own_local_params=True``.
 * Loaders get this library's samplers, also a ``BatchSampler`` passed as
-  the ``sampler`` (scvi-tools' loaders; :mod:`pyro_distributed.lightning.data`).
+  the ``sampler`` (scvi-tools' loaders; :mod:`pyro_distributed.integrations.lightning.data`).
 * An ``SVI`` that the LightningModule steps itself (scvi-tools'
   ``PyroTrainingPlan``) gets its optimizer wrapped too, and the workers'
   parameters are compared after the first step and at the end of training
-  (:mod:`pyro_distributed.lightning.plans`).
+  (:mod:`pyro_distributed.integrations.lightning.plans`).
 * ``self.log(..., sync_dist=True)``, ``reduce``, ``broadcast``, ``all_gather``
   and ``barrier`` run on the engine, and so does ``EarlyStopping``'s decision.
   ``trainer.predict`` returns every worker's predictions, in the data's
-  order, on worker 0 (:mod:`pyro_distributed.lightning.collectives`).
+  order, on worker 0 (:mod:`pyro_distributed.integrations.lightning.collectives`).
 * Checkpoints are complete: every worker's RNG states, and local
   parameters as one block file per worker beside Lightning's file, written all
-  or nothing (:mod:`pyro_distributed.lightning.checkpoints`).
+  or nothing (:mod:`pyro_distributed.integrations.lightning.checkpoints`).
   ``trainer.fit(..., ckpt_path=...)`` at the same world size continues
   bitwise; at another, the blocks are re-partitioned.
 * ``devices`` x ``num_nodes`` counts the workers under every launcher
-  (:mod:`pyro_distributed.lightning.launch`).
+  (:mod:`pyro_distributed.integrations.lightning.launch`).
 """
 
 from __future__ import annotations
@@ -50,16 +50,16 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 
-from .. import runtime
-from ..checks import check_bool
-from ..data.subsample import shard_subsamples
-from ..engines import Engine, check_engine_name, engine_class
-from ..errors import PyroDistributedError
-from ..local.sparse import check_local_updates
-from ..optim.options import OptimizerOptions, check_optimizer_options
-from ..optim.torch_optimizer import DistributedTorchOptimizer
+from ... import runtime
+from ...checks import check_bool
+from ...data.subsample import shard_subsamples
+from ...engines import Engine, check_engine_name, engine_class
+from ...errors import PyroDistributedError
+from ...local.sparse import check_local_updates
+from ...optim.options import OptimizerOptions, check_optimizer_options
+from ...optim.torch_optimizer import DistributedTorchOptimizer
+from ..scvi import anndata, guides
 from . import (
-    anndata,
     checkpoints,
     collectives,
     data,
@@ -99,7 +99,7 @@ class PyroDistributedStrategy(DDPStrategy):
     :param seed: the seed of the shared order.
     :param optimizer_options: options for every optimizer the strategy
         wraps (``bucket_cap_mb``, ``compression``, ``overlap``, ...; the keys of
-        :class:`~pyro_distributed.lightning.OptimizerOptions`), checked here.
+        :class:`~pyro_distributed.integrations.lightning.OptimizerOptions`), checked here.
     :param start_method: how Lightning starts the workers: ``None`` (default)
         is ``"fork"`` in a Jupyter kernel and ``"popen"`` (a script's own
         launcher) elsewhere. With ``"fork"``, ``"spawn"`` or ``"forkserver"``,
@@ -112,7 +112,7 @@ class PyroDistributedStrategy(DDPStrategy):
     Example::
 
         import lightning.pytorch as pl
-        from pyro_distributed.lightning import PyroDistributedStrategy
+        from pyro_distributed.integrations.lightning import PyroDistributedStrategy
 
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=PyroDistributedStrategy())
         trainer.fit(module, loader)
@@ -139,7 +139,7 @@ class PyroDistributedStrategy(DDPStrategy):
         With ``own_local_params=True``, the model's plate over the data must
         take its subsample from the batch: ``pyro.plate(name, N,
         subsample=indices)``, with ``indices`` from
-        :class:`~pyro_distributed.lightning.IndexedDataset`. Create a lazily
+        :class:`~pyro_distributed.integrations.lightning.IndexedDataset`. Create a lazily
         built guide's parameters after the workers have met, in the
         LightningModule's ``setup()`` and inside
         ``pd.shard_subsamples(own_local_params=True, by_block=True)``, on
@@ -300,7 +300,7 @@ class PyroDistributedStrategy(DDPStrategy):
         collectives.broadcast_module(self.engine, self.model)
         internals.disable_sampler_injection(trainer)
         if self.own_local_params:
-            pyro_state.shard_guide_warmups(trainer.callbacks)
+            guides.shard_guide_warmups(trainer.callbacks)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -367,9 +367,10 @@ class PyroDistributedStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """The training loader with :class:`~pyro_distributed.ShardSampler`,
         evaluation and prediction loaders with
-        :class:`~pyro_distributed.lightning.data.EvaluationSampler`
+        :class:`~pyro_distributed.integrations.lightning.data.EvaluationSampler`
         (:func:`.data.shard_loader`); with ``own_local_params``, scvi-tools'
-        loaders keep this worker's block (:func:`.anndata.owned_loader`). A
+        loaders keep this worker's block
+        (:func:`~pyro_distributed.integrations.scvi.anndata.owned_loader`). A
         training loader gets a generator of its own (see the checkpoint hooks)."""
         stage = self.lightning_module.trainer.state.stage if self.lightning_module else None
         return data.prepare_loader(
@@ -420,7 +421,7 @@ class PyroDistributedStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         if self.own_local_params:  # a Pyro plan's lazily built guide: its parameters, cut
-            pyro_state.create_guide_params(module, getattr(module.trainer, "datamodule", None))
+            guides.create_guide_params(module, getattr(module.trainer, "datamodule", None))
         state = checkpoints.module_state(checkpoint, self._resumption, module, self.engine)
         super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
         if module.trainer.state.fn == TrainerFn.FITTING:  # where the resumed run first draws

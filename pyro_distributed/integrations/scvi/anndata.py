@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,11 +40,15 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 
-from .. import runtime
-from ..engines import Engine
-from ..errors import PyroDistributedError
-from ..partition import block_range
-from ..seeding import derived_seed
+from ... import runtime
+from ...engines import Engine
+from ...errors import PyroDistributedError
+from ...partition import block_range
+from ...seeding import derived_seed
+
+# The splitters already taken over, and their number of observations: kept here,
+# not written onto the user's data module.
+_TAKEN_OVER: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 # scvi-tools' REGISTRY_KEYS.INDICES_KEY: the observation's index, in every batch.
 _INDICES_KEY = "ind_x"
@@ -71,9 +76,9 @@ def take_over_splitter(datamodule: Any) -> int | None:
     splitter = _splitter_class()
     if splitter is None or datamodule is None:
         return None
+    if datamodule in _TAKEN_OVER:
+        return _TAKEN_OVER[datamodule]
     n_obs = int(datamodule.adata_manager.adata.n_obs) if hasattr(datamodule, "adata_manager") else 0
-    if getattr(datamodule, "_pd_owned", False):
-        return n_obs
     if not isinstance(datamodule, splitter):
         if type(datamodule).__module__.startswith("scvi."):
             raise PyroDistributedError(
@@ -95,7 +100,7 @@ def take_over_splitter(datamodule: Any) -> int | None:
         own_setup(stage)
 
     datamodule.setup = setup
-    datamodule._pd_owned = True
+    _TAKEN_OVER[datamodule] = n_obs
     return n_obs
 
 

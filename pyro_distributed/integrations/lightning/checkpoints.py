@@ -54,14 +54,14 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from .. import safe_files
-from ..checkpoint import files
-from ..checkpoint.modules import ModuleLocal, module_locals, state_indices, without_state
-from ..engines import Engine
-from ..errors import PyroDistributedError
-from ..local.blocks import load_blocks, remove_blocks
-from ..local.registry import LocalParam, local_params
-from ..seeding import shared_generator
+from ... import safe_files
+from ...checkpoint import files
+from ...checkpoint.modules import ModuleLocal, module_locals, state_indices, without_state
+from ...engines import Engine
+from ...errors import PyroDistributedError
+from ...local.blocks import load_blocks, remove_blocks
+from ...local.registry import LocalParam, local_params
+from ...seeding import shared_generator
 from . import internals, pyro_state
 
 # -- what both directions share, and loading

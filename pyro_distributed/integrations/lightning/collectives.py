@@ -21,7 +21,7 @@ runs the same collective on every worker:
   as pickled objects, through ``allgather_object``.
 * :func:`gather_predictions` puts ``trainer.predict``'s results on worker 0 in
   the data's order, which is the order of the workers' blocks
-  (:class:`~pyro_distributed.lightning.data.EvaluationSampler`).
+  (:class:`~pyro_distributed.integrations.lightning.data.EvaluationSampler`).
 * :func:`leave_together` has every worker meet once more at exit before the
   process group is torn down.
 """
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engines import Engine
-from ..errors import PyroDistributedError
-from ..local.gradients import split_local
+from ...engines import Engine
+from ...errors import PyroDistributedError
+from ...local.gradients import split_local
 
 # Lightning's names for a reduction (also torch's ReduceOp, lower-cased), to the engine's.
 _REDUCE_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}

@@ -2,7 +2,7 @@
 
 With owned observations (``own_local_params=True``) every per-spot summary
 of the posterior is computed on the spot's owner
-(:func:`~pyro_distributed.lightning.posterior.owned_posterior` with
+(:func:`~pyro_distributed.integrations.scvi.posterior.owned_posterior` with
 ``to="owners"`` leaves each worker its block). :func:`write_owned_obsm` puts
 those blocks into one ``.h5ad`` file's ``obsm``, in the AnnData's order,
 without ever joining them: worker 0 writes each worker's block as it
@@ -45,9 +45,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import runtime
-from ..errors import PyroDistributedError
-from ..gather import stream_pieces
+from ... import runtime
+from ...errors import PyroDistributedError
+from ...gather import stream_pieces
 
 __all__ = ["write_owned_obsm"]
 

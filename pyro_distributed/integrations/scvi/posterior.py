@@ -12,7 +12,7 @@ joined along the observation plate in the AnnData's order. Global sites'
 summaries are worker 0's. No worker ever holds another worker's samples,
 nor every observation's. With ``to="owners"`` the summaries are not joined
 either: each worker keeps its block's, and
-:func:`~pyro_distributed.lightning.obsm_writer.write_owned_obsm` writes
+:func:`~pyro_distributed.integrations.scvi.obsm_writer.write_owned_obsm` writes
 them into an ``.h5ad`` file block by block, so that no worker ever holds
 every spot's summaries (at Visium HD sizes they are hundreds of MB each).
 
@@ -37,10 +37,11 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .. import runtime
-from ..data.subsample import shard_subsamples
-from ..gather import gather_pieces
-from ..partition import block_range
+from ... import runtime
+from ...data.subsample import shard_subsamples
+from ...gather import gather_pieces
+from ...partition import block_range
+from . import internals
 
 __all__ = ["owned_posterior"]
 
@@ -60,7 +61,15 @@ def owned_posterior(model: Any, *, to: SummariesTo = "all") -> Iterator[Any]:
     :param to: ``"all"`` (default): every worker gets every observation's
         summaries, so the model's own exports (``export_posterior``) work on
         every worker; ``"main"``: worker 0 only, and other workers get ``None``
-        from the methods (call exports on worker 0 alone then).
+        from the methods (call exports on worker 0 alone then); ``"owners"``:
+        each worker keeps its block's summaries, in the AnnData's order (write
+        them with :func:`~pyro_distributed.integrations.scvi.write_owned_obsm`).
+
+    Example::
+
+        with owned_posterior(model):             # on every worker
+            summaries = model.sample_posterior(num_samples=100)
+        summaries["means"]["w_sf"].shape         # (every spot, cell types)
     """
     engine = runtime.current_engine()
     n_obs = int(model.adata.n_obs)
@@ -79,7 +88,7 @@ def owned_posterior(model: Any, *, to: SummariesTo = "all") -> Iterator[Any]:
         return None if to == "main" and engine.rank != 0 else joined
 
     model.sample_posterior = sample_posterior
-    if hasattr(model, "_posterior_quantile"):
+    if internals.has_posterior_quantile(model):
         model.posterior_quantile = _quantiles(model, block, engine, to)
     try:
         yield model
@@ -101,9 +110,7 @@ def _quantiles(
         kwargs.pop("batch_size", None)
         exclude = kwargs.pop("exclude_vars", None) or []
         with shard_subsamples(own_local_params=True):
-            values = model._posterior_quantile(
-                batch_size=len(block), data_loader_indices=block, exclude_vars=exclude, **kwargs
-            )
+            values = internals.posterior_quantile(model, block, exclude_vars=exclude, **kwargs)
         joined = _join(engine, values, _plate_sites(model, block), to)
         return None if to == "main" and engine.rank != 0 else joined
 
@@ -113,13 +120,10 @@ def _quantiles(
 def _plate_sites(model: Any, block: np.ndarray) -> dict[str, int]:
     """Each site of the observation plate, with the plate's axis in its values,
     traced on a few observations of this worker's block (scvi-tools' own rule)."""
-    loader = model._make_data_loader(
-        adata=model.adata, indices=block[:16], shuffle=False, batch_size=16
-    )
-    args, kwargs = model.module._get_fn_args_from_batch(next(iter(loader)))
+    loader = internals.data_loader(model, block[:16])
+    args, kwargs = internals.batch_args(model.module, next(iter(loader)))
     with shard_subsamples(own_local_params=True), torch.no_grad():
-        sites: dict[str, int] = model._get_obs_plate_sites(args, kwargs, return_observed=True)
-    return sites
+        return internals.obs_plate_sites(model, args, kwargs)
 
 
 def _join(engine: Any, values: Summaries, sites: dict[str, int], to: SummariesTo) -> Summaries:

@@ -9,12 +9,12 @@ plan needs both:
 * :func:`pyro_optimizer_state` and :func:`restore_pyro_optimizer`: the Pyro
   optimizer's state, global parameters' in Lightning's file and each local
   parameter's rows in its worker's block file (as a torch optimizer's rows
-  are, :mod:`pyro_distributed.lightning.checkpoints`), handed back with
+  are, :mod:`pyro_distributed.integrations.lightning.checkpoints`), handed back with
   ``PyroOptim.set_state``, which applies it as each parameter appears;
-* :func:`create_guide_params`: the guide's parameters created, local ones
-  cut to this worker's block, before Lightning restores the module (it
-  restores after ``setup()`` and before the first step), from one batch of
-  the plan's own training loader.
+* the guide's parameters created, local ones cut to this worker's block,
+  before Lightning restores the module (it restores after ``setup()`` and
+  before the first step), from one batch of the plan's own training loader:
+  :func:`pyro_distributed.integrations.scvi.guides.create_guide_params`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from typing import Any
 
 from pyro.optim import PyroOptim
 
-from ..checkpoint.modules import ModuleLocal, module_locals
-from ..data.subsample import shard_subsamples
+from ...checkpoint.modules import ModuleLocal, module_locals
 
 
 def pyro_optimizer(module: Any) -> PyroOptim | None:
@@ -70,37 +69,3 @@ def restore_pyro_optimizer(
     state = dict(shared)
     state.update({local[name].pyro_name: value for name, value in rows.items() if name in local})
     optim.set_state(state)
-
-
-def create_guide_params(plan: Any, datamodule: Any) -> None:
-    """Run the guide of an scvi-tools Pyro plan on its first training batch, under
-    ``shard_subsamples(own_local_params=True)``: every parameter exists, local
-    ones cut to this worker's block, and the module holds the cut tensors."""
-    module = getattr(plan, "module", None)
-    guide = getattr(module, "guide", None)
-    args_of = getattr(module, "_get_fn_args_from_batch", None)
-    if guide is None or args_of is None or datamodule is None:
-        return
-    batch = next(iter(datamodule.train_dataloader()))
-    args, kwargs = args_of({key: value.to(plan.device) for key, value in batch.items()})
-    with shard_subsamples(own_local_params=True):
-        guide(*args, **kwargs)  # creates the parameters and cuts the local ones
-        guide(*args, **kwargs)  # a PyroModule takes the cut tensors from the param store
-
-
-def shard_guide_warmups(callbacks: list[Any]) -> None:
-    """Run scvi-tools' guide warm-up callbacks (``PyroJitGuideWarmup``, which
-    calls the guide on one training batch as training starts) under
-    ``shard_subsamples(own_local_params=True)``: the batch is from this worker's
-    block, and local parameters, once cut, exist only as the block's rows."""
-    for callback in callbacks:
-        if not type(callback).__module__.startswith("scvi.") or getattr(callback, "_pd", False):
-            continue
-        hook = callback.on_train_start
-
-        def on_train_start(trainer: Any, module: Any, hook: Any = hook) -> None:
-            with shard_subsamples(own_local_params=True):
-                hook(trainer, module)
-
-        callback.on_train_start = on_train_start
-        callback._pd = True

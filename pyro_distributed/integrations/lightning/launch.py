@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from lightning.fabric.plugins import ClusterEnvironment
 
-from ..engines import Engine, engine_class
-from ..engines.network import choose_gloo_interface
-from ..engines.torch_distributed import check_addresses_before_a_group
-from ..errors import PyroDistributedError
+from ...engines import Engine, engine_class
+from ...engines.network import choose_gloo_interface
+from ...engines.torch_distributed import check_addresses_before_a_group
+from ...errors import PyroDistributedError
 
 
 def resolve_engine(engine: str) -> str:

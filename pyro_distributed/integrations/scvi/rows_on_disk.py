@@ -1,7 +1,7 @@
 """Counts that stay in their ``.h5ad`` file: each worker reads its own rows only.
 
 With ``own_local_params=True`` worker r trains on its block of observations
-(:mod:`pyro_distributed.lightning.anndata` cuts scvi-tools' loaders to it),
+(:mod:`pyro_distributed.integrations.scvi.anndata` cuts scvi-tools' loaders to it),
 so the counts of every other block need never enter its memory. Opened with
 :func:`read_h5ad_by_rows`, an AnnData keeps its annotations (``obs``,
 ``var``, ``obsm``, ...) in memory and its count matrices (``X`` and every

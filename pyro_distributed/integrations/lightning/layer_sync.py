@@ -1,7 +1,7 @@
 """``Trainer(sync_batchnorm=True)`` under the strategy: applied where it works, refused elsewhere.
 
 Lightning turns ``sync_batchnorm=True`` into a layer sync that
-:class:`~pyro_distributed.lightning.PyroDistributedStrategy` would otherwise
+:class:`~pyro_distributed.integrations.lightning.PyroDistributedStrategy` would otherwise
 drop with DDP's set-up. torch's ``SyncBatchNorm`` computes each forward's
 batch statistics over every worker's batch, through a torch process group,
 on CUDA tensors only. So it is applied on CUDA with the torch engine, and
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..engines import Engine
-from ..errors import PyroDistributedError
+from ...engines import Engine
+from ...errors import PyroDistributedError
 
 
 def apply(

@@ -27,13 +27,14 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..checkpoint import files, param_store
-from ..checkpoint.modules import module_locals
-from ..engines import Engine
-from ..engines.local import LocalEngine
-from ..errors import PyroDistributedError
-from ..local.blocks import load_blocks
-from ..local.registry import LocalParam
+from ...checkpoint import files, param_store
+from ...checkpoint.modules import module_locals
+from ...engines import Engine
+from ...engines.local import LocalEngine
+from ...errors import PyroDistributedError
+from ...local.blocks import load_blocks
+from ...local.registry import LocalParam
+from ..scvi import guides
 from . import internals
 
 STORE = "store.pt"
@@ -77,7 +78,7 @@ class KernelLauncher(internals.MultiProcessingLauncher):
         super()._recover_results_in_main_process(worker_output, trainer)
         if carry is not None and (carry / STORE).exists():
             lacking += load_trained(carry, module)
-            _set_up_the_guide(module, self._datamodule)
+            guides.set_up_trained_guide(module, self._datamodule)
         lacking = [name for name in lacking if not _in_the_param_store(name)]
         if lacking:
             raise PyroDistributedError(
@@ -151,19 +152,3 @@ def _in_the_param_store(name: str) -> bool:
         if stem == stored or stem.endswith(f".{rest}"):
             return True
     return False
-
-
-def _set_up_the_guide(plan: Any, datamodule: Any) -> None:
-    """An scvi-tools Pyro plan's guide, set up here on one training batch: it takes
-    the trained values from the param store. Its first call was in the workers,
-    and ``export_posterior`` needs it set up."""
-    module = getattr(plan, "module", None)
-    guide = getattr(module, "guide", None)
-    args_of = getattr(module, "_get_fn_args_from_batch", None)
-    if datamodule is None or args_of is None or getattr(guide, "prototype_trace", 0) is not None:
-        return
-    datamodule.setup("fit")
-    batch = next(iter(datamodule.train_dataloader()))
-    args, kwargs = args_of({key: value.to(plan.device) for key, value in batch.items()})
-    assert guide is not None
-    guide(*args, **kwargs)  # every parameter exists in the store: none is drawn anew

@@ -58,13 +58,14 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from .. import runtime
-from ..data.shards import ShardSampler
-from ..engines import Engine
-from ..errors import PyroDistributedError
-from ..partition import block_range
-from ..seeding import derived_seed
-from . import anndata, internals
+from ... import runtime
+from ...data.shards import ShardSampler
+from ...engines import Engine
+from ...errors import PyroDistributedError
+from ...partition import block_range
+from ...seeding import derived_seed
+from ..scvi import anndata
+from . import internals
 
 # Names the training loaders' generators among the derived seeds.
 _LOADER_STREAM = 0x10AD
@@ -168,9 +169,10 @@ def prepare_loader(
     observations: int | None,
 ) -> object:
     """The loader the strategy hands Lightning: with ``own_local_params``,
-    scvi-tools' loaders keep this worker's block (:func:`.anndata.owned_loader`);
-    any other loader is sharded by :func:`shard_loader`. A training loader gets
-    a generator of its own (:func:`.data.with_own_generator`), so that starting
+    scvi-tools' loaders keep this worker's block
+    (:func:`~pyro_distributed.integrations.scvi.anndata.owned_loader`); any
+    other loader is sharded by :func:`shard_loader`. A training loader gets a
+    generator of its own (:func:`.data.with_own_generator`), so that starting
     its iterator never draws from the global RNG."""
     if not isinstance(dataloader, DataLoader):
         return dataloader
