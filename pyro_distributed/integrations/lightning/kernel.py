@@ -59,7 +59,8 @@ class KernelLauncher(internals.MultiProcessingLauncher):
             return super().launch(function, *args, trainer=trainer, **kwargs)
         finally:
             shutil.rmtree(self._carry, ignore_errors=True)
-            self._carry = None
+            # Not held past the fit: the user's data (a DataSplitter holds the AnnData).
+            self._carry, self._datamodule = None, None
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
         # On every worker: a collective, before worker 0 sends its state_dict.
