@@ -45,6 +45,12 @@ class GradBucket:
     ``buffer`` is laid out as ``[gradients | tail]``: the members' gradients
     flattened in order (``size`` values), then the tail, small counts that
     must be summed exactly. The hook may write into ``buffer``.
+
+    Example, inside a hook: each member's gradient as a matrix, and the rest::
+
+        for piece in bucket.pieces():
+            matrix = piece.reshape(piece.shape[0], -1) if piece.dim() > 1 else None
+        counts = bucket.tail()  # sum these exactly
     """
 
     #: A name unique to the bucket and the same on every worker (Horovod pairs
@@ -73,7 +79,20 @@ class GradBucket:
 
 
 class Reducing(ABC):
-    """A hook's result under way."""
+    """A hook's result under way.
+
+    Example, the result of one all-reduce that sums a bucket in place, its
+    gradients divided afterwards::
+
+        class Divided(pd.Reducing):
+            def __init__(self, pending, bucket):
+                self.pending, self.bucket = pending, bucket
+
+            def wait(self):
+                self.pending.wait()
+                self.bucket.gradients().div_(self.bucket.world_size)
+                return self.bucket.buffer
+    """
 
     @abstractmethod
     def wait(self) -> Tensor:
@@ -221,7 +240,8 @@ class AverageHook(CommHook):
             return dtype
         if dtype not in self._narrows:
             # Asked once per dtype: a compressor here is stateless (Horovod's are).
-            probe = torch.zeros(2, dtype=dtype)
+            # device='cpu': only the type of what the compressor returns is read.
+            probe = torch.zeros(2, dtype=dtype, device="cpu")
             wire = self.compression.compress(probe)[0]
             self._narrows[dtype] = wire.dtype if wire.shape == probe.shape else None
         return self._narrows[dtype]

@@ -232,8 +232,12 @@ class _LowRank(Reducing):
 def _first_q(matrices: list[Tensor], rank: int, seed: int, dtype: torch.dtype) -> list[Tensor]:
     """Random starting factors, the same on every worker."""
     generator = torch.Generator().manual_seed(seed)
+    # device='cpu': drawn from a seeded host generator, so the same numbers on
+    # every worker and every device, then moved where the matrix lives.
     return [
-        torch.randn(m.shape[1], min(rank, *m.shape), generator=generator, dtype=dtype).to(m.device)
+        torch.randn(
+            m.shape[1], min(rank, *m.shape), generator=generator, dtype=dtype, device="cpu"
+        ).to(m.device)
         for m in matrices
     ]
 
