@@ -236,7 +236,8 @@ def markdown(summary: dict[str, Any], settings: dict[str, Any]) -> str:
     lines = [
         "# Two hosts on a rate-limited link",
         "",
-        f"`{settings['command']}`: {settings['repeats']} interleaved repeats, medians; "
+        f"`{settings['command']}` at commit {settings.get('commit') or 'unknown'}: "
+        f"{settings['repeats']} interleaved repeats, medians; "
         "one worker per namespace host, every link limited by `tbf`. Written by "
         "`benchmarks/bench_link.py`.",
         "",
@@ -389,7 +390,8 @@ def parse_args() -> argparse.Namespace:
 def write(report: dict[str, Any], output_dir: Path) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "link_results.json").write_text(json.dumps(report, indent=1) + "\n")
-    text = markdown(report["summary"], report["settings"])
+    commit = str(report["environment"].get("git_commit") or "")[:7]
+    text = markdown(report["summary"], {**report["settings"], "commit": commit})
     (output_dir / "LINK_RESULTS.md").write_text(text)
     print(text)
 

@@ -40,6 +40,7 @@ BENCHMARK_PAGES = {
     "CONVERGENCE_LOCAL.md": "Convergence of sparse local steps",
     "LIGHTNING_RESULTS.md": "Lightning against DDPStrategy",
     "LINK_RESULTS.md": "Two hosts on a rate-limited link",
+    "link_low_rank/LINK_RESULTS.md": "The low-rank hook on a 1 Gbit/s link",
     "CELL2LOCATION.md": "cell2location: owned spots, counts read by rows, a memory cap",
     "per_step_idle/gloo/RESULTS.md": "Per-step cost against DDP, idle re-run",
     "per_step_idle/mpi/RESULTS.md": "The MPI engine against two processes, idle re-run",
