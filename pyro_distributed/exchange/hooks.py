@@ -118,16 +118,7 @@ class CommHook(ABC):
 
             def __call__(self, bucket, engine):
                 pending = engine.allreduce_async_(bucket.buffer, "sum", bucket.name)
-                return Divided(pending, bucket)
-
-        class Divided(pd.Reducing):
-            def __init__(self, pending, bucket):
-                self.pending, self.bucket = pending, bucket
-
-            def wait(self):
-                self.pending.wait()
-                self.bucket.gradients().div_(self.bucket.world_size)
-                return self.bucket.buffer
+                return Divided(pending, bucket)  # the example of Reducing
 
         optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.01}), comm_hook=SumThenDivide())
 
