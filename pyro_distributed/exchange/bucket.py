@@ -29,8 +29,8 @@ way.
 
 **Resident buffers.** A bucket packed into a new tensor each step needs a
 new view per member each step as well, to point the member's ``.grad`` at
-its average; on hundreds of small parameters those views were most of the
-exchange's own time. A :class:`ResidentBuffer` is made once per bucket, with
+its average; on hundreds of small parameters those views cost more than the
+copy itself. A :class:`ResidentBuffer` is made once per bucket, with
 one view per member: a step copies the gradients in (one call into C++),
 the engine sums in place, and each ``.grad`` is pointed at the view it had
 last step, as DDP's ``gradient_as_bucket_view`` does. The values are the

@@ -143,8 +143,8 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
     _stepper: GroupedStepper | None
 
     def __new__(cls, pyro_optim: Any = None, *args: Any, **kwargs: Any) -> Any:
-        # The old spelling for the torch front end: one name for two classes
-        # made isinstance() lie, so it now warns and names the right class.
+        # The 0.x spelling for the torch front end: one name for two classes
+        # would make isinstance() lie, so it warns and names the right class.
         if cls is DistributedOptimizer and isinstance(pyro_optim, torch.optim.Optimizer):
             warnings.warn(
                 "DistributedOptimizer(torch_optimizer) is deprecated: use "

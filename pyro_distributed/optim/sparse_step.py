@@ -88,9 +88,8 @@ count change; Adam and AdamW put ``eps`` where torch's dense Adam puts it
     A lazy step's momentum averages a row's gradients over the row's visits,
     not over steps: with rows visited about once an epoch, Adam's default
     ``beta1 = 0.9`` spans some ten epochs and the fit lags the dense one's.
-    ``betas=(0.5, 0.999)`` matched or beat the dense step's quality in the
-    same number of epochs on both models of
-    ``benchmarks/convergence_local.py``.
+    Lower ``beta1`` (say ``betas=(0.5, 0.999)``) for such rows; the local
+    parameters guide compares the two.
 """
 
 from __future__ import annotations
