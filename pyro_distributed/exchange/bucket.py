@@ -354,7 +354,7 @@ class Bucket:
         flat = self.pack(riders)
         stamps = [grad_stamp(member) for member in self._members] if watch else []
         self._in_flight = _InFlight(None, stamps)
-        return GradBucket(self.name, flat, self.layout.size, self._shapes, self._world_size)
+        return GradBucket(self.name, flat, self.layout.size, self._shapes, self._world_size, self)
 
     def sent(self, reducing: Reducing) -> None:
         """The reduction of what :meth:`packed` gave is under way."""

@@ -54,7 +54,7 @@ class GradBucket:
     """
 
     #: A name unique to the bucket and the same on every worker (Horovod pairs
-    #: collectives by name; a stateful hook keys its state by it).
+    #: collectives by name).
     name: str
     buffer: Tensor
     #: How many gradient values the buffer starts with.
@@ -62,6 +62,11 @@ class GradBucket:
     #: The members' shapes, in the buffer's order.
     shapes: tuple[torch.Size, ...]
     world_size: int
+    #: The bucket packed here, the same object step after step for as long as
+    #: the exchange keeps its plan: a stateful hook keys its state by it
+    #: (weakly), so that state ends when the plan does (new tensors, a loaded
+    #: checkpoint).
+    owner: object
 
     def gradients(self) -> Tensor:
         """The gradient values (a view of ``buffer``)."""

@@ -20,6 +20,7 @@ on every worker; only the error, which stays on its worker, differs.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -77,7 +78,8 @@ class LowRankHook(CommHook):
         self.min_compression = float(min_compression)
         self.error_feedback = bool(error_feedback)
         self.seed = seed
-        self._buckets: dict[str, _BucketState] = {}
+        # By the bucket's owner, weakly: a new plan of buckets starts afresh.
+        self._buckets: weakref.WeakKeyDictionary[object, _BucketState] = weakref.WeakKeyDictionary()
 
     def __call__(self, bucket: GradBucket, engine: Engine) -> Reducing:
         state = self._state(bucket)
@@ -88,9 +90,10 @@ class LowRankHook(CommHook):
         return _LowRank(self, state, bucket, engine)
 
     def _state(self, bucket: GradBucket) -> _BucketState:
-        state = self._buckets.get(bucket.name)
+        state = self._buckets.get(bucket.owner)
         if state is None or state.shapes != bucket.shapes:
-            state = self._buckets[bucket.name] = _BucketState(bucket.shapes, self._matrices(bucket))
+            state = _BucketState(bucket.shapes, self._matrices(bucket))
+            self._buckets[bucket.owner] = state
         return state
 
     def _matrices(self, bucket: GradBucket) -> list[int]:
@@ -213,7 +216,7 @@ class _LowRank(Reducing):
             offset += piece.numel()
         tail.copy_(summed_tail)
         for index, (matrix, p, q) in enumerate(zip(self._matrices, ps, qs, strict=True)):
-            torch.mm(p, q.T, out=matrix) if matrix.is_contiguous() else matrix.copy_(p @ q.T)
+            torch.mm(p, q.T, out=matrix)  # a view of the bucket's buffer
             if state.error and finite:
                 torch.sub(self._m[index], matrix, out=state.error[index])
         if finite:

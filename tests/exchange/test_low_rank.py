@@ -8,6 +8,8 @@ dropped reduction leaves the hook's state as it was; bad arguments are refused.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -19,12 +21,21 @@ from ..support.harness import run_workers
 SHAPES = [torch.Size([40, 30]), torch.Size([7]), torch.Size([30, 20])]
 
 
-def _bucket(grads: list[torch.Tensor], name: str = "b") -> GradBucket:
+class _Bucket:
+    """Stands in for the exchange's bucket, which a stateful hook keys its state by."""
+
+
+#: One bucket, packed again at every step.
+BUCKET = _Bucket()
+
+
+def _bucket(grads: list[torch.Tensor], owner: object = BUCKET) -> GradBucket:
     """A bucket as the exchange packs it: the gradients, then two tail values."""
     tail = torch.tensor([1.0, 3.0])
     buffer = torch.cat([*(g.reshape(-1) for g in grads), tail])
     size = sum(g.numel() for g in grads)
-    return GradBucket(name, buffer, size, tuple(g.shape for g in grads), pd.world_size())
+    shapes = tuple(g.shape for g in grads)
+    return GradBucket("b", buffer, size, shapes, pd.world_size(), owner)
 
 
 def _grads(generator: torch.Generator, rank: int | None) -> list[torch.Tensor]:
@@ -105,6 +116,29 @@ def dropped_then_reduced() -> tuple[torch.Tensor, torch.Tensor]:
 def test_a_dropped_reduction_leaves_the_state_as_it_was() -> None:
     for kept, fresh in run_workers(dropped_then_reduced):
         assert torch.equal(kept, fresh)
+
+
+def a_new_plan_of_buckets() -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Two steps of one bucket, then the same gradients in a bucket of a new plan;
+    the same by a fresh hook; and how many buckets the hook still keeps state for
+    once the first bucket is gone."""
+    engine = pd.current_engine()
+    grads = _grads(torch.Generator().manual_seed(pd.rank()), None)
+    hook = LowRankHook(rank=2, warmup_steps=0)
+    first, second = _Bucket(), _Bucket()
+    for _ in range(2):
+        hook(_bucket([g.clone() for g in grads], first), engine).wait()
+    renewed = hook(_bucket([g.clone() for g in grads], second), engine).wait()
+    fresh = LowRankHook(rank=2, warmup_steps=0)(_bucket([g.clone() for g in grads]), engine)
+    del first
+    gc.collect()
+    return renewed, fresh.wait(), len(hook._buckets)
+
+
+def test_a_new_plan_of_buckets_starts_afresh_and_the_old_state_is_let_go() -> None:
+    for renewed, fresh, kept in run_workers(a_new_plan_of_buckets):
+        assert torch.equal(renewed, fresh)
+        assert kept == 1
 
 
 def warmup_and_vectors() -> list[tuple[torch.Tensor, torch.Tensor]]:
