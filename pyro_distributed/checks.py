@@ -10,6 +10,7 @@ accepted where a number is meant, although Python counts it as an ``int``:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Collection
 from typing import Any
 
@@ -57,6 +58,15 @@ def check_number(
         or (below is not None and not value < below)
     ):
         raise ValueError(f"{name} must be {' and '.join(wanted)}, got {value!r}")
+
+
+def check_path(name: str, value: Any) -> None:
+    """``value`` must name a file: a non-empty ``str`` or ``os.PathLike`` of one."""
+    shown = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(shown, str):
+        raise TypeError(f"{name} must be a path (a str or os.PathLike), got {value!r}")
+    if not shown:
+        raise ValueError(f"{name} must be a path, got an empty one")
 
 
 def check_choice(name: str, value: Any, choices: Collection[str]) -> None:

@@ -119,3 +119,19 @@ def pop_waiting_state(pyro_optim: PyroOptim, name: str | None) -> dict[str, Any]
     (``set_state`` keeps it until the parameter's optimizer is made), removed."""
     state: dict[str, Any] | None = pyro_optim._state_waiting_to_be_consumed.pop(name, None)
     return state
+
+
+def stand_in_optimizer(pyro_optim: PyroOptim, name: str, tensor: Tensor) -> Any:
+    """The one-parameter optimizer (or scheduler) ``pyro_optim`` would make for
+    parameter ``name``, over ``tensor`` instead of the parameter.
+
+    Pyro resolves per-parameter arguments from the param store's name of the
+    tensor it is given, so ``tensor`` carries ``name`` in the store's private
+    map for the call, and no longer.
+    """
+    named = pyro.get_param_store()._param_to_name
+    named[tensor] = name
+    try:
+        return pyro_optim._get_optim(tensor)
+    finally:
+        named.pop(tensor, None)

@@ -15,9 +15,7 @@ checksum (a truncated or bit-flipped file is refused by name), and only then
 unpickles with ``torch.load(weights_only=True)`` and the caller's allow-list:
 a file holds data, never chooses code. ``trusted=True`` unpickles in full,
 for the user's own classes and for format version 3 and older. Writing is
-all or nothing: a temporary ``.<target>.<random>.tmp`` beside the target
-(mode 0666 less the umask), fsynced, renamed over it, and the directory
-fsynced; :func:`remove_temporaries` removes a killed writer's leftovers.
+all or nothing, through :mod:`pyro_distributed.atomic_write`.
 """
 
 from __future__ import annotations
@@ -27,9 +25,7 @@ import io
 import json
 import os
 import re
-import secrets
-from collections.abc import Callable, Iterable
-from contextlib import suppress
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -37,6 +33,7 @@ from typing import IO, Any, cast
 
 import torch
 
+from .atomic_write import write_with
 from .devices import checkpoint_location
 
 MAGIC = b"\x89PYRO-DIST\r\n\x1a\n\x00\x00"
@@ -123,46 +120,6 @@ def write(path: Path, kind: str, meta: dict[str, Any], payload: Any) -> None:
     write_with(path, save)
 
 
-def write_with(path: Path, save: Callable[[IO[bytes]], None]) -> None:
-    """Write ``path`` with ``save(file)`` (also a file of another format,
-    Lightning's checkpoint): to a temporary file beside it, flushed and fsynced,
-    renamed over it, and the directory fsynced."""
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    # O_EXCL with 0o666: the mode follows the umask, as torch.save's open() does.
-    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            save(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    fsync_directory(path.parent)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (where the platform allows it)."""
-    with suppress(OSError):  # some file systems cannot open or fsync a directory
-        handle = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(handle)
-        finally:
-            os.close(handle)
-
-
-def remove_temporaries(directory: Path, targets: re.Pattern[str]) -> None:
-    """Delete what killed writers left: the temporaries of the files whose names
-    ``targets`` matches in full. Call it only while no worker writes into
-    ``directory``."""
-    temporary = re.compile(r"\.(.+)\.[0-9a-f]{8}\.tmp")
-    for found in directory.glob(".*.tmp"):
-        match = temporary.fullmatch(found.name)
-        if match is not None and targets.fullmatch(match.group(1)):
-            found.unlink(missing_ok=True)
-
-
 class _MemoryReader(io.RawIOBase):
     """A seekable file over bytes already in memory, read without a copy
     (``io.BytesIO`` would copy them, holding the payload twice)."""
@@ -225,6 +182,10 @@ def read_header(file: io.BufferedIOBase, name: str, kind: str) -> Header:
         )
     except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError) as exc:
         raise UnreadableFile(f"{name} has a damaged header ({exc})") from exc
+    if header.payload_bytes < 0:
+        raise UnreadableFile(
+            f"{name} has a damaged header (a payload of {header.payload_bytes} bytes)"
+        )
     if header.format_version > FORMAT_VERSION:
         raise UnreadableFile(
             f"{name} has format version {header.format_version} (written by "
@@ -237,9 +198,12 @@ def read_header(file: io.BufferedIOBase, name: str, kind: str) -> Header:
 
 
 def _field(fields: Any, key: str, kind: type) -> Any:
-    if not isinstance(fields, dict) or not isinstance(fields[key], kind):
-        raise TypeError(f"header entry {key!r} is not a {kind.__name__}")
-    return fields[key]
+    if not isinstance(fields, dict):
+        raise TypeError("it is not a JSON object")
+    value = fields[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"header entry {key!r} is {value!r}, not of type {kind.__name__}")
+    return value
 
 
 def _written_by(header: Header) -> str:
@@ -253,13 +217,20 @@ def read_payload(file: io.BufferedIOBase, header: Header, name: str) -> bytearra
 
     :raises UnreadableFile: if the file is truncated, too long or damaged.
     """
+    # The claim is compared with the file before anything is allocated: a
+    # damaged header must not make a reader zero gigabytes to refuse it.
+    start = file.tell()
+    available = file.seek(0, os.SEEK_END) - start
+    file.seek(start)
+    if header.payload_bytes > available:
+        raise UnreadableFile(
+            f"{name} is truncated: its header promises {header.payload_bytes} bytes of "
+            f"data and {available} follow"
+        )
     payload = bytearray(header.payload_bytes)
     got = file.readinto(payload)
     if got != header.payload_bytes:
-        raise UnreadableFile(
-            f"{name} is truncated: its header promises {header.payload_bytes} bytes of "
-            f"data and {got} follow"
-        )
+        raise UnreadableFile(f"{name} is truncated: it ended while it was read")
     if file.read(1):
         raise UnreadableFile(f"{name} is damaged: data follows the end its header gives")
     if header.format_version > 3 and hashlib.sha256(payload).hexdigest() != header.payload_sha256:

@@ -101,6 +101,17 @@ def test_single_optimizer_and_waiting_state_are_pyro_optims_own() -> None:
         assert single.param_groups[0]["lr"] == 0.5
 
 
+def test_a_stand_in_optimizer_takes_the_arguments_pyro_gives_its_name() -> None:
+    with reaching("PyroOptim._get_optim and ParamStoreDict._param_to_name"):
+        pyro.param("w", torch.zeros(2))
+        optim = PyroOptim(torch.optim.Adam, lambda name: {"lr": 0.5 if name == "w" else 0.1})
+        tensor = torch.zeros(2)
+        made = pyro_internals.stand_in_optimizer(optim, "w", tensor)
+        assert made.param_groups[0]["params"] == [tensor]
+        assert made.param_groups[0]["lr"] == 0.5
+        assert pyro.get_param_store().param_name(tensor) is None  # lent for the call only
+
+
 def test_subsample_is_the_distribution_of_a_plates_subsample_site() -> None:
     with reaching("pyro.poutine.subsample_messenger._Subsample"):
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -177,21 +179,6 @@ def test_the_directory_is_fsynced_after_the_rename(
     assert (tmp_path / "data.pt").exists()
 
 
-def test_a_killed_saves_temporaries_are_removed_at_the_next_save(tmp_path: Path) -> None:
-    path = _checkpoint(tmp_path)
-    left = [
-        tmp_path / f".{path.name}.0badf00d.tmp",
-        tmp_path / f".{path.name}.0a1b2c3d4e5f.block1of2.12345678.tmp",
-    ]
-    kept = [tmp_path / ".other.pt.0badf00d.tmp", tmp_path / f".{path.name}.notes"]
-    for file in left + kept:
-        file.write_bytes(b"partial")
-    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
-    pd.save_checkpoint(path, optim)
-    assert not any(file.exists() for file in left)
-    assert all(file.exists() for file in kept)
-
-
 def test_damage_is_named(tmp_path: Path) -> None:
     good = _checkpoint(tmp_path).read_bytes()
     cases = {
@@ -207,3 +194,50 @@ def test_damage_is_named(tmp_path: Path) -> None:
         damaged.write_bytes(data)
         with pytest.raises(ValueError, match=message):
             load_file(damaged)
+
+
+def _claiming(good: bytes, payload_bytes: Any) -> bytes:
+    """``good`` with a header whose payload length is ``payload_bytes``."""
+    start = len(safe_files.MAGIC)
+    fields = json.loads(good[start : start + safe_files.HEADER_BYTES])
+    fields["payload_bytes"] = payload_bytes
+    header = json.dumps(fields).encode().ljust(safe_files.HEADER_BYTES)
+    return safe_files.MAGIC + header + good[start + safe_files.HEADER_BYTES :]
+
+
+def test_a_payload_claim_is_compared_with_the_file_before_anything_is_allocated(
+    tmp_path: Path,
+) -> None:
+    good = _checkpoint(tmp_path).read_bytes()
+    claims = tmp_path / "claims.pt"
+    claims.write_bytes(_claiming(good, 2**31))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"claims\.pt' is truncated: .* 2147483648 bytes"):
+            load_file(claims)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB allocated to refuse the file"
+
+
+@pytest.mark.parametrize(
+    ("claim", "message"),
+    [
+        (10**12, r"is truncated: its header promises 1000000000000 bytes"),
+        (-5, r"has a damaged header \(a payload of -5 bytes\)"),
+        (True, r"has a damaged header \(header entry 'payload_bytes' is True, not of type int\)"),
+    ],
+)
+def test_an_impossible_payload_claim_is_a_damaged_file(
+    tmp_path: Path, claim: Any, message: str
+) -> None:
+    path = _checkpoint(tmp_path)
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(_claiming(path.read_bytes(), claim))
+    with pytest.raises(ValueError, match=rf"'.*bad\.pt' {message}"):
+        load_file(bad)
+    optim = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}))
+    with pytest.raises(ValueError, match=message) as refused:
+        pd.load_checkpoint(bad, optim)
+    assert not isinstance(refused.value, pd.PyroDistributedError)

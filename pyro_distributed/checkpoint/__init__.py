@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..checks import check_bool
+from ..checks import check_bool, check_path
 from ..optim.distributed import DistributedOptimizer
 from ..optim.torch_optimizer import DistributedTorchOptimizer
 from . import modules, param_store
@@ -32,15 +32,18 @@ def save_checkpoint(
 ) -> None:
     """Write a checkpoint of this training run to ``path`` (worker 0 writes it).
 
-    :param path: where to write; its directory must exist on worker 0.
+    :param path: where to write; its directory must exist on worker 0. A
+        symbolic link is written through: the file it leads to is replaced.
     :param optim: the distributed optimizer of the run.
     :param module: with a torch optimizer (Pyro's torch-native loop), the
         module it trains, for example the ELBO module ``Trace_ELBO()(model,
         guide)``: its parameters and buffers are saved.
     :param schedulers: with a torch optimizer, its learning-rate schedulers,
         whose state is saved too (a Pyro optimizer's schedulers are part of it).
+    :raises TypeError: if ``path`` is not a ``str`` or ``os.PathLike``.
     :raises PyroDistributedError: on every worker, if worker 0 could not write
-        the file. The previous file at ``path``, if any, is left intact.
+        the file, or ``path`` leads to anything but a regular file or a new
+        path (a device, a directory). The previous file there is left intact.
 
     Example::
 
@@ -51,6 +54,7 @@ def save_checkpoint(
     .. warning::
         Call it on every worker at the same step: it is a collective.
     """
+    check_path("path", path)
     if isinstance(optim, DistributedTorchOptimizer):
         modules.save(path, optim, _required(module), list(schedulers))
         return
@@ -93,10 +97,14 @@ def load_checkpoint(
         and for files written by pyro_distributed 0.x (format version 3).
     :raises FileNotFoundError: on every worker, if worker 0 finds no file and
         ``missing_ok`` is false.
-    :raises ValueError: on every worker, if the file is damaged or truncated,
-        is not a checkpoint, needs a class it may not load (named), or holds
-        parameters whose names, shapes, dtypes or constraints contradict the
-        model's (a checkpoint of a different model).
+    :raises TypeError: if ``path`` is not a ``str`` or ``os.PathLike``.
+    :raises ValueError: on every worker, before anything changes, if the file
+        is damaged or truncated, is not a checkpoint, lacks an entry or holds
+        one of the wrong type (named), needs a class it may not load (named),
+        holds parameters whose names, shapes, dtypes or constraints contradict
+        the model's (a checkpoint of a different model), or optimizer state
+        that the optimizer cannot take (another optimizer's, or of another
+        shape).
     :raises PyroDistributedError: on every worker, if any worker cannot read
         a block file it needs (naming the worker and the file).
 
@@ -113,6 +121,7 @@ def load_checkpoint(
         Call it on every worker at the same point: it is a collective. Pass
         ``trusted=True`` only for files you trust as you trust code.
     """
+    check_path("path", path)
     check_bool("strict", strict)
     check_bool("trusted", trusted)
     check_bool("missing_ok", missing_ok)

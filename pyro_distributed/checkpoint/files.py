@@ -24,7 +24,7 @@ import pyro.util
 import torch
 from torch import Tensor
 
-from .. import safe_files, shared_io
+from .. import atomic_write, safe_files, shared_io
 from ..engines import Engine
 from ..errors import PyroDistributedError
 from ..local.blocks import new_token, remove_blocks, remove_temporaries, save_blocks
@@ -109,6 +109,11 @@ def commit(
     token = None
     meta = None
     if local:
+        # The blocks go beside the file worker 0 writes, where a load looks for
+        # them, also when ``path`` is a link into another directory.
+        target = Path(
+            engine.allgather_object(_destination(target) if engine.rank == 0 else None)[0]
+        )
         token = new_token(engine)
         save_blocks(target, token, engine, local, values, optim_state)
         meta = {
@@ -133,7 +138,29 @@ def commit(
         )
     if engine.rank == 0:
         remove_blocks(target, keep=token)  # the previous checkpoint's, now superseded
-        remove_temporaries(target)  # what killed saves left; every worker has finished
+        remove_temporaries(target)  # what killed saves left, and only that (atomic_write)
+
+
+def _destination(path: Path) -> str:
+    """The file a write to ``path`` lands in; ``path`` where the write will refuse it."""
+    try:
+        return os.fspath(atomic_write.writable_target(path))
+    except ValueError:
+        return os.fspath(path)
+
+
+def agree(engine: Engine, check: Callable[[], None]) -> None:
+    """Run ``check()`` on every worker, and raise its ``ValueError`` (the first
+    worker's that raised one) on every worker (a collective): a file that one
+    worker refuses is refused by all, before any of them changes anything."""
+    problem = None
+    try:
+        check()
+    except ValueError as exc:
+        problem = str(exc)
+    problems = engine.allgather_object(problem)
+    if any(problems):
+        raise ValueError(next(problem for problem in problems if problem))
 
 
 def header(engine: Engine, num_steps: int, kind: str) -> dict[str, Any]:

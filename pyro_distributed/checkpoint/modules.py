@@ -24,7 +24,8 @@ from torch import Tensor
 from ..local import registry, sparse
 from ..local.blocks import load_blocks
 from ..optim.torch_optimizer import DistributedTorchOptimizer
-from . import files
+from . import contents, files
+from .optim_state import check_torch_optimizer
 
 
 @dataclass(frozen=True)
@@ -117,18 +118,25 @@ def load(
     if found is None:
         return 0
     state, where = found
-    if state.get("kind") != "module":
-        raise ValueError(
-            f"the checkpoint {os.fspath(path)!r} is of a run with a Pyro optimizer (the "
-            f"param store); load it with load_checkpoint(path, optim), without module="
-        )
-    local = files.local_params_of(state)
-    _check_compatible(os.fspath(path), state, module, local, strict)
-    if len(schedulers) != len(state["schedulers"]):
-        raise ValueError(
-            f"the checkpoint {os.fspath(path)!r} holds {len(state['schedulers'])} "
-            f"scheduler(s); {len(schedulers)} were passed"
-        )
+    local: dict[str, registry.LocalParam] = {}
+
+    def check() -> None:  # everything the load reads, before it changes anything
+        contents.check(state, repr(os.fspath(path)))
+        if state.get("kind") != "module":
+            raise ValueError(
+                f"the checkpoint {os.fspath(path)!r} is of a run with a Pyro optimizer (the "
+                f"param store); load it with load_checkpoint(path, optim), without module="
+            )
+        local.update(files.local_params_of(state))
+        _check_compatible(os.fspath(path), state, module, local, strict)
+        if len(schedulers) != len(state["schedulers"]):
+            raise ValueError(
+                f"the checkpoint {os.fspath(path)!r} holds {len(state['schedulers'])} "
+                f"scheduler(s); {len(schedulers)} were passed"
+            )
+        check_torch_optimizer(optimizer.wrapped, state["optimizer"], repr(os.fspath(path)))
+
+    files.agree(engine, check)
     if local:  # read before anything changes, so that a bad block leaves the run as it was
         values, local_state = load_blocks(where, state["local"], local, engine, trusted=trusted)
     module.load_state_dict(state["module"], strict=False)

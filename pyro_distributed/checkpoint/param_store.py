@@ -26,7 +26,8 @@ from ..local import registry
 from ..local.blocks import load_blocks
 from ..optim.distributed import DistributedOptimizer
 from ..pyro_internals import replace_unconstrained
-from . import files
+from . import contents, files
+from .optim_state import check_pyro_optim
 
 
 def save(path: str | os.PathLike[str], optim: DistributedOptimizer) -> None:
@@ -70,15 +71,23 @@ def load(
     if found is None:
         return 0
     state, where = found
-    if state.get("kind", "param_store") != "param_store":
-        raise ValueError(
-            f"the checkpoint {os.fspath(path)!r} is of a module trained with a torch "
-            f"optimizer; load it with load_checkpoint(path, optimizer, module=...)"
-        )
-    local = files.local_params_of(state) if with_local else {}
     if not with_local:
         state = {**state, "local": None}
-    _check_compatible(os.fspath(path), state, local, strict)
+    local: dict[str, registry.LocalParam] = {}
+
+    def check() -> None:  # everything the load reads, before it changes anything
+        contents.check(state, repr(os.fspath(path)))
+        if state.get("kind", "param_store") != "param_store":
+            raise ValueError(
+                f"the checkpoint {os.fspath(path)!r} is of a module trained with a torch "
+                f"optimizer; load it with load_checkpoint(path, optimizer, module=...)"
+            )
+        local.update(files.local_params_of(state))
+        _check_compatible(os.fspath(path), state, local, strict)
+        saved = state["param_store"]["params"]
+        check_pyro_optim(optim.wrapped, state["optim"], saved, repr(os.fspath(path)))
+
+    files.agree(engine, check)
 
     values: dict[str, torch.Tensor] = {}
     local_state: dict[str, Any] = {}

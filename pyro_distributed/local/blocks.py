@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import safe_files, shared_io
+from .. import atomic_write, safe_files, shared_io
 from ..engines import Engine
 from ..errors import PyroDistributedError
 from .registry import LocalParam
@@ -120,7 +120,7 @@ def remove_temporaries(path: Path) -> None:
     """Delete the temporaries that killed saves of ``path`` and its blocks left
     (worker 0, once every worker has finished writing)."""
     names = re.compile(rf"{re.escape(path.name)}|{_block_pattern(path)}")
-    safe_files.remove_temporaries(path.parent, names)
+    atomic_write.remove_temporaries(path.parent, names)
 
 
 def load_blocks(

@@ -5,14 +5,17 @@ One launch per world size loads over a hundred variants of a checkpoint with
 local parameters' blocks, each made by worker 0 from real saves: the main file
 or a block truncated at a random offset or with one bit flipped, a block
 missing, the main file of another model, blocks of another world size or of
-another save of the same run. A variant must fail on every worker with the
-same class of error, naming the file, and leave the run's parameters exactly
-as they were; or, where the damage touched nothing a load reads (the versions
-in a header, say), load exactly the saved state.
+another save of the same run, a header claiming a payload the file cannot
+hold, an entry missing from a main file whose checksum holds. A variant must
+fail on every worker with the same class of error, naming the file, and leave
+the run's parameters exactly as they were; or, where the damage touched
+nothing a load reads (the versions in a header, say), load exactly the saved
+state. An impossible claim and a missing entry must be a ``ValueError``.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import shutil
@@ -25,6 +28,8 @@ import pyro
 import torch
 
 import pyro_distributed as pd
+from pyro_distributed import safe_files
+from pyro_distributed.checkpoint import files
 
 from ..support.blocks import owned_svi, train_owned
 from ..support.harness import run_workers
@@ -38,8 +43,10 @@ CLASSES = (
     "another model's main file",
     "blocks of another world size",
     "blocks of another save",
+    "an impossible payload length",
+    "a key missing from a sound main file",
 )
-VARIANTS_PER_WORLD_SIZE = 104
+VARIANTS_PER_WORLD_SIZE = 110
 ERRORS = (ValueError, FileNotFoundError, pd.PyroDistributedError)
 
 
@@ -100,6 +107,16 @@ def _damage(file: Path, chooser: random.Random, how: str) -> None:
         file.write_bytes(bytes(data))
 
 
+def _claim(file: Path, payload_bytes: int) -> None:
+    """Make ``file``'s header claim a payload of ``payload_bytes``."""
+    data = file.read_bytes()
+    start, end = len(safe_files.MAGIC), len(safe_files.MAGIC) + safe_files.HEADER_BYTES
+    fields = json.loads(data[start:end])
+    fields["payload_bytes"] = payload_bytes
+    header = json.dumps(fields).encode().ljust(safe_files.HEADER_BYTES)
+    file.write_bytes(data[:start] + header + data[end:])
+
+
 def make_variant(root: Path, other: Path, number: int, world_size: int, seed: int) -> str:
     """Worker 0 lays out variant ``number`` as ``root/v<number>/run.pt``; its class."""
     chooser = random.Random(seed * 100_003 + number)
@@ -126,6 +143,12 @@ def make_variant(root: Path, other: Path, number: int, world_size: int, seed: in
         theirs = _blocks(other / "a2.pt")
         for rank, block in enumerate(mine):
             shutil.copyfile(theirs[rank % len(theirs)], block)
+    elif kind == "an impossible payload length":
+        _claim(target, chooser.choice([-chooser.randint(1, 10**6), 2**31, 10**12, 10**18]))
+    elif kind == "a key missing from a sound main file":
+        state = files.load_file(target)
+        del state[chooser.choice(sorted(state))]
+        files.write_checkpoint(target, state)
     elif kind == "blocks of another save":
         earlier = _blocks(a1)
         for rank in chooser.sample(range(world_size), chooser.randint(1, world_size)):
@@ -181,6 +204,11 @@ def _check(workers: list[list[dict[str, Any]]]) -> Counter[tuple[str, str]]:
                 assert re.search(r"worker \d: .*run\.pt\.\w+\.block\dof\d", result["message"]), (
                     where
                 )
+        if first["kind"] in (
+            "an impossible payload length",
+            "a key missing from a sound main file",
+        ):
+            assert first["error"] == "ValueError", where
         tally[first["kind"], first["error"]] += 1
     return tally
 

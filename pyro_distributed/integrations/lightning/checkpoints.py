@@ -54,7 +54,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from ... import safe_files
+from ... import atomic_write
 from ...checkpoint import files
 from ...checkpoint.modules import ModuleLocal, module_locals, state_indices, without_state
 from ...engines import Engine
@@ -305,7 +305,7 @@ def _writer(
 
 def _write_here(path: Path, state: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    safe_files.write_with(path, lambda file: torch.save(state, file))
+    atomic_write.write_with(path, lambda file: torch.save(state, file))
 
 
 def _places(held: ModuleLocal, optimizers: list[torch.optim.Optimizer]) -> Any:
