@@ -16,7 +16,11 @@ from datetime import timedelta
 
 from ..errors import PyroDistributedError
 from .base import DEFAULT_TIMEOUT, Engine, Pending
-from .launchers import check_world_size, warn_if_started_from_an_interactive_step
+from .launchers import (
+    check_world_size,
+    declared_world_size,
+    warn_if_started_from_an_interactive_step,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -87,7 +91,13 @@ def detect_engine() -> str:
 def create_engine(name: str, timeout: timedelta = DEFAULT_TIMEOUT) -> Engine:
     """Start the engine called ``name`` (not ``"auto"``), and check that it
     joined as many workers as its launcher started
-    (:func:`~pyro_distributed.engines.launchers.check_world_size`)."""
+    (:func:`~pyro_distributed.engines.launchers.check_world_size`).
+
+    The launcher's variables are read before the engine starts, so that one a
+    launcher could not have written (``WORLD_SIZE=abc``, a rank past the world
+    size) raises a ``ValueError`` naming it before any transport reads it.
+    """
+    declared_world_size()
     engine = engine_class(name)(timeout)
     try:
         check_world_size(engine.name, engine.world_size)

@@ -89,7 +89,9 @@ def slurm_step() -> bool:
 
 
 def _multi_task_step() -> bool:
-    return "SLURM_PROCID" in os.environ and _int(os.environ.get("SLURM_STEP_NUM_TASKS"), 1) > 1
+    if "SLURM_PROCID" not in os.environ:
+        return False
+    return env_int("SLURM_STEP_NUM_TASKS", minimum=1, default=1, what=_TASKS) > 1
 
 
 def started_from_an_interactive_step() -> bool:
@@ -106,8 +108,8 @@ def started_from_an_interactive_step() -> bool:
     """
     if "SLURM_PTY_PORT" not in os.environ:
         return False
-    task = _int(os.environ.get("SLURM_TASK_PID"), 0)
-    if task <= 0 or task == os.getpid():
+    task = env_int("SLURM_TASK_PID", minimum=1, default=0, what="the process id of the step's task")
+    if task == 0 or task == os.getpid():
         return False
     try:
         command = Path(f"/proc/{task}/cmdline").read_bytes().split(b"\0")[:-1]
@@ -146,16 +148,24 @@ def warn_if_started_from_an_interactive_step() -> None:
 
 
 def declared_world_size() -> Declared | None:
-    """The innermost launcher's count of the workers, or ``None`` if none says."""
+    """The innermost launcher's count of the workers, or ``None`` if none says.
+
+    :raises ValueError: naming the variable and its value, where the launcher's
+        count or this worker's rank among them is not a whole number in range:
+        a worker that misread either would train on its own, or wait for a
+        peer that is not coming.
+    """
     if all(name in os.environ for name in TORCHRUN_VARIABLES):
-        return _declared("torchrun", "WORLD_SIZE")
+        return _declared("torchrun", "RANK", "WORLD_SIZE")
     if horovodrun_present():
-        return _declared("horovodrun", "HOROVOD_SIZE")
+        return _declared("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE")
     for launcher, rank, size in _MPI_LAUNCHERS:
         if rank in os.environ and size in os.environ:
-            return _declared(launcher, size)
+            return _declared(launcher, rank, size)
+    if _PMIX_RANK in os.environ:
+        env_int(_PMIX_RANK, minimum=0, what="this worker's rank")
     if slurm_step():
-        return _declared("srun", "SLURM_STEP_NUM_TASKS")
+        return _declared("srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
     return None
 
 
@@ -191,47 +201,97 @@ def check_world_size(engine_name: str, world_size: int) -> None:
 
 
 @dataclass(frozen=True)
-class SlurmRendezvous:
-    """Where and as whom a task of a ``srun`` step joins the others."""
+class Rendezvous:
+    """Where and as whom this worker joins the others through a torch.distributed store."""
 
     address: str
     port: int
     rank: int
     world_size: int
-    local_rank: int
-    #: Where the port came from, for messages (``"MASTER_PORT=29500"``, say).
-    port_source: str = ""
-    #: The job and step, ``"4242.0"``: the store's keys live under it.
-    step: str = ""
+    #: ``None`` where the launcher does not say (this worker's rank stands in).
+    local_rank: int | None
+    #: Where the address and the port came from, for messages (``"MASTER_PORT=29500"``).
+    address_source: str
+    port_source: str
+    #: Who started the workers, for messages (``"torchrun"``, ``"srun step 4242.0"``).
+    launcher: str
+    #: What to do where worker 0 finds the port taken.
+    port_fix: str
+    #: Every key of this job lives under it: a Slurm step's tasks that meet
+    #: another step's store on a shared port never read or write its keys.
+    prefix: str = "pyro_distributed"
+    #: Whether worker 0 serves the store; torchrun's agent serves it where
+    #: ``TORCHELASTIC_USE_AGENT_STORE=True``, and every worker is a client.
+    worker_0_hosts: bool = True
 
     @property
-    def url(self) -> str:
-        """torch.distributed's ``tcp://`` form of it."""
-        return f"tcp://{self.address}:{self.port}?rank={self.rank}&world_size={self.world_size}"
+    def where(self) -> str:
+        """The store's address and port, and where each came from, for messages."""
+        return f"{self.address}:{self.port} ({self.address_source}, {self.port_source})"
+
+    @property
+    def hosts_the_store(self) -> bool:
+        """Whether this worker serves the store the others connect to."""
+        return self.worker_0_hosts and self.rank == 0
 
     def check_port_is_free(self) -> None:
-        """On the task that hosts the store (worker 0), raise if another
+        """On the worker that hosts the store (worker 0), raise if another
         process already listens on the port.
 
-        A taken port cannot be traded for another: the other tasks could
+        A taken port cannot be traded for another: the other workers could
         learn the new one only from a store. They would wait at this one
-        until the time-out (or meet another step's store there), so worker 0
+        until the time-out (or meet another job's store there), so worker 0
         stops at once, with what to launch instead.
         """
-        if self.rank != 0 or not _port_in_use(self.port):
+        if not self.hosts_the_store or not _port_in_use(self.port):
             return
-        raise PyroDistributedError(
-            f"port {self.port} ({self.port_source}), where worker 0 of this srun step "
-            f"(job.step {self.step}) would host the torch.distributed rendezvous on "
-            f"{socket.gethostname()}, is already in use; the other tasks cannot learn "
-            f"another port, and would wait for it until the time-out. Launch with `srun "
-            f"--resv-ports=1 ...`, so that Slurm reserves a port for the step "
-            f"(SLURM_STEP_RESV_PORTS; Slurm needs MpiParams=ports=... in slurm.conf), or "
-            f"set MASTER_PORT to a free port for every task (`MASTER_PORT=29517 srun ...`)."
-        )
+        raise PyroDistributedError(port_taken_message(self))
 
 
-def torch_rendezvous_from_slurm() -> SlurmRendezvous:
+def port_taken_message(rendezvous: Rendezvous) -> str:
+    """What worker 0 says when another process listens on the store's port."""
+    return (
+        f"port {rendezvous.port} ({rendezvous.port_source}), where worker 0 of "
+        f"{rendezvous.launcher} would host the torch.distributed rendezvous on "
+        f"{socket.gethostname()}, is already in use; the other workers cannot learn "
+        f"another port, and wait for this one until the time-out. {rendezvous.port_fix}"
+    )
+
+
+def torch_rendezvous_from_torchrun() -> Rendezvous:
+    """How this worker joins the others from torchrun's variables (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, and ``LOCAL_RANK`` where set).
+
+    :raises ValueError: naming the variable and its value, where one is not
+        what torchrun would give (a rank outside ``0..WORLD_SIZE-1``, say).
+    """
+    world_size = env_int("WORLD_SIZE", minimum=1, what=_WORKERS)
+    rank = env_int("RANK", minimum=0, below=("WORLD_SIZE", world_size), what=_RANK)
+    local_rank = env_int("LOCAL_RANK", minimum=0, default=-1, what=_LOCAL_RANK)
+    port = parse_master_port(os.environ["MASTER_PORT"])
+    address = _host_variable("MASTER_ADDR")
+    attempt = "0"
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if agent_store:
+        # A restart runs on the agent's store, which still holds the last
+        # attempt's keys (see TorchEngine._join_group).
+        attempt = str(env_int("TORCHELASTIC_RESTART_COUNT", minimum=0, default=0, what=_RESTARTS))
+    return Rendezvous(
+        address=address,
+        port=port,
+        rank=rank,
+        world_size=world_size,
+        local_rank=None if local_rank < 0 else local_rank,
+        address_source=f"MASTER_ADDR={address}",
+        port_source=f"MASTER_PORT={port}",
+        launcher="this torchrun job",
+        port_fix="Set MASTER_PORT to a free port, the same on every worker.",
+        prefix=f"pyro_distributed/attempt{attempt}",
+        worker_0_hosts=not agent_store,
+    )
+
+
+def torch_rendezvous_from_slurm() -> Rendezvous:
     """How this task of a ``srun`` step joins the step's other tasks.
 
     The first node of the step hosts the store, on a port that every task
@@ -249,31 +309,56 @@ def torch_rendezvous_from_slurm() -> SlurmRendezvous:
 
     A derived port cannot be retried: the other tasks could not learn the
     second choice. So worker 0 checks that it is free before it hosts the
-    store (:meth:`SlurmRendezvous.check_port_is_free`), and raises, naming
+    store (:meth:`Rendezvous.check_port_is_free`), and raises, naming
     the port and both fixes, rather than leaving the others to wait.
+
+    :raises ValueError: naming the variable and its value, where one of
+        Slurm's variables is not what Slurm would give.
     """
-    rank = _int(os.environ.get("SLURM_PROCID"), 0)
-    world_size = _int(os.environ.get("SLURM_STEP_NUM_TASKS"), 1)
-    local_rank = _int(os.environ.get("SLURM_LOCALID"), 0)
-    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
-    address = os.environ.get("MASTER_ADDR") or first_host(nodes)
+    world_size = env_int("SLURM_STEP_NUM_TASKS", minimum=1, default=1, what=_TASKS)
+    rank = env_int(
+        "SLURM_PROCID", minimum=0, below=("SLURM_STEP_NUM_TASKS", world_size), what=_RANK
+    )
+    local_rank = env_int("SLURM_LOCALID", minimum=0, default=0, what=_LOCAL_RANK)
+    job = env_int("SLURM_JOB_ID", minimum=0, default=0, what="the job's id")
+    step = env_int("SLURM_STEP_ID", minimum=0, default=0, what="the step's id")
+    if os.environ.get("MASTER_ADDR"):
+        address = _host_variable("MASTER_ADDR")
+        address_source = f"MASTER_ADDR={address}"
+    else:
+        variable = (
+            "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in os.environ else "SLURM_JOB_NODELIST"
+        )
+        address = first_host(os.environ.get(variable, ""), variable)
+        address_source = f"the first node of {variable}={os.environ.get(variable, '')}"
     if not address:
         raise PyroDistributedError(
             "srun started this task without SLURM_STEP_NODELIST, so the torch engine cannot "
             "tell which node hosts the rendezvous. Set MASTER_ADDR to the first node's name."
         )
-    job, step = os.environ.get("SLURM_JOB_ID", "0"), os.environ.get("SLURM_STEP_ID", "0")
-    port, source = master_port(), "MASTER_PORT"
-    reserved = os.environ.get("SLURM_STEP_RESV_PORTS", "")
-    first_reserved = re.match(r"\s*(\d+)", reserved)
-    if port is None and first_reserved:
-        port, source = int(first_reserved.group(1)), "SLURM_STEP_RESV_PORTS"
+    port, port_source = master_port(), f"MASTER_PORT={os.environ.get('MASTER_PORT')}"
+    if port is None and os.environ.get("SLURM_STEP_RESV_PORTS"):
+        reserved = os.environ["SLURM_STEP_RESV_PORTS"]
+        port, port_source = _first_reserved_port(reserved), f"SLURM_STEP_RESV_PORTS={reserved}"
     if port is None:
-        port = slurm_step_port(job, step)
-        source = f"derived from SLURM_JOB_ID={job} and SLURM_STEP_ID={step}"
-    else:
-        source = f"{source}={os.environ[source]}"
-    return SlurmRendezvous(address, port, rank, world_size, local_rank, source, f"{job}.{step}")
+        port = slurm_step_port(str(job), str(step))
+        port_source = f"derived from SLURM_JOB_ID={job} and SLURM_STEP_ID={step}"
+    return Rendezvous(
+        address=address,
+        port=port,
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        address_source=address_source,
+        port_source=port_source,
+        launcher=f"this srun step (job.step {job}.{step})",
+        port_fix=(
+            "Launch with `srun --resv-ports=1 ...`, so that Slurm reserves a port for the "
+            "step (SLURM_STEP_RESV_PORTS; Slurm needs MpiParams=ports=... in slurm.conf), or "
+            "set MASTER_PORT to a free port for every task (`MASTER_PORT=29517 srun ...`)."
+        ),
+        prefix=f"pyro_distributed/slurm/{job}.{step}",
+    )
 
 
 def slurm_step_port(job: str, step: str) -> int:
@@ -305,6 +390,19 @@ def parse_master_port(raw: str) -> int:
     return port
 
 
+def _first_reserved_port(reserved: str) -> int:
+    """The first port of ``SLURM_STEP_RESV_PORTS`` (``"12000-12003"``, ``"12011"``)."""
+    match = re.fullmatch(r"(\d+)(?:-\d+)?(?:,\d+(?:-\d+)?)*", reserved.strip())
+    port = int(match.group(1)) if match else 0
+    if not 1 <= port <= 65535:
+        raise ValueError(
+            f"SLURM_STEP_RESV_PORTS={reserved!r} is not a list of ports: it must be "
+            f"ports from 1 to 65535, as a range or a list, as srun --resv-ports gives them, "
+            f"e.g. '12000-12003'"
+        )
+    return port
+
+
 def _port_in_use(port: int) -> bool:
     """Whether a socket already listens on ``port`` on this host, on any
     address: a bind as the store's own (address reuse on, so that a port a
@@ -318,25 +416,84 @@ def _port_in_use(port: int) -> bool:
         return exc.errno == errno.EADDRINUSE
 
 
-def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: ``"gpu[07-09,12],cpu1"`` gives ``"gpu07"``."""
-    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist.strip())
-    if match is None:
+#: One host of a Slurm node list: name parts and bracketed ranges of numbers.
+_HOST_PATTERN = re.compile(r"(?:[A-Za-z0-9._-]+|\[\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*\])+")
+
+
+def first_host(nodelist: str, variable: str = "SLURM_STEP_NODELIST") -> str:
+    """The first host of a Slurm node list: ``"gpu[07-09,12],cpu1"`` gives
+    ``"gpu07"`` (``""`` for an empty list).
+
+    :raises ValueError: naming ``variable`` and its value, where the list is
+        not one Slurm writes (``"node[1-"``, say): a host made of the pieces
+        would be a name no worker can reach.
+    """
+    # Commas inside brackets separate numbers; outside, hosts.
+    hosts = re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist.strip())
+    if not nodelist.strip():
         return ""
-    prefix, ranges, suffix = match.groups()
-    if not ranges:
-        return prefix + suffix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first + suffix
+    if ",".join(hosts) != nodelist.strip() or not all(map(_HOST_PATTERN.fullmatch, hosts)):
+        raise ValueError(
+            f"{variable}={nodelist!r} is not a Slurm node list: it must be host names "
+            f"separated by commas, each with optional bracketed numbers or ranges, e.g. "
+            f"'gpu[07-09,12],cpu1'"
+        )
+    return re.sub(r"\[(\d+)[^\]]*\]", r"\1", hosts[0])
 
 
-def _declared(launcher: str, variable: str) -> Declared | None:
-    value = _int(os.environ.get(variable), 0)
-    return Declared(launcher, variable, value) if value > 0 else None
+def _host_variable(variable: str) -> str:
+    """The host name or address in ``variable``, checked."""
+    raw = os.environ.get(variable, "")
+    if not re.fullmatch(r"[A-Za-z0-9._:-]+", raw):
+        raise ValueError(
+            f"{variable}={raw!r} is not a host: it must be the name or IP address of the "
+            f"host of worker 0, the same on every worker, e.g. {variable}=127.0.0.1"
+        )
+    return raw
 
 
-def _int(raw: str | None, default: int) -> int:
-    try:
-        return int(raw) if raw is not None else default
-    except ValueError:
+_WORKERS = "the number of workers"
+_TASKS = "the number of the step's tasks"
+_RANK = "this worker's rank"
+_LOCAL_RANK = "this worker's rank on its host"
+_RESTARTS = "the number of restarts"
+
+
+def env_int(
+    variable: str,
+    *,
+    minimum: int,
+    what: str,
+    default: int | None = None,
+    below: tuple[str, int] | None = None,
+) -> int:
+    """The whole number a launcher put in ``variable``, at least ``minimum`` and
+    less than ``below``'s value where given; ``default`` where it is unset.
+
+    :raises ValueError: naming the variable, its value and what it must be: a
+        launcher never writes anything else, so the value was set by hand,
+        and guessing would start a job other than the one the launcher started.
+    """
+    raw = os.environ.get(variable)
+    if raw is None and default is not None:
         return default
+    value = int(raw) if raw is not None and raw.strip().isdecimal() else -1
+    low, high = minimum, None if below is None else below[1] - 1
+    if value < low or (high is not None and value > high):
+        bound = (
+            f"from {low} to {high} (one less than {below[0]}={below[1]})"
+            if below
+            else (f"of at least {low}")
+        )
+        given = "unset" if raw is None else f"{raw!r}"
+        raise ValueError(
+            f"{variable}={given} is not {what}: it must be a whole number {bound}, as the "
+            f"launcher that started the workers sets it"
+        )
+    return value
+
+
+def _declared(launcher: str, rank_variable: str, size_variable: str) -> Declared:
+    size = env_int(size_variable, minimum=1, what=_WORKERS)
+    env_int(rank_variable, minimum=0, below=(size_variable, size), what=_RANK)
+    return Declared(launcher, size_variable, size)

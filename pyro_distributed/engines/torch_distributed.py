@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -23,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.rendezvous import rendezvous
 
 from ..devices import cuda_device_index, cuda_transport, this_gpu
 from ..errors import PyroDistributedError
@@ -31,10 +31,13 @@ from ..torch_internals import PrefixStore
 from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
 from .launchers import (
     TORCHRUN_VARIABLES,
+    Rendezvous,
+    env_int,
     mpi_launcher_present,
-    parse_master_port,
+    port_taken_message,
     slurm_step,
     torch_rendezvous_from_slurm,
+    torch_rendezvous_from_torchrun,
 )
 from .network import advertised_address, check_peer_addresses, choose_gloo_interface, is_loopback
 
@@ -80,27 +83,24 @@ class TorchEngine(Engine):
             )
         super().__init__(timeout)
         self._owns_group = not dist.is_initialized()
-        self._local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
+        self._local_rank = -1
         if self._owns_group:
             missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
-            if missing and slurm_step():
-                slurm = torch_rendezvous_from_slurm()
-                slurm.check_port_is_free()
-                self._local_rank = slurm.local_rank
-                # Keys under the step's ids: tasks of another step that meet
-                # this store on a shared port never read or write its keys.
-                prefix = f"pyro_distributed/slurm/{slurm.step}"
-                self._join_group(timeout, slurm.url, slurm.address, slurm.port, prefix)
-            elif missing:
+            if missing and not slurm_step():
                 raise PyroDistributedError(
                     f"engine='torch' found no process group and no torchrun environment "
                     f"(missing {', '.join(missing)}). Launch with `torchrun --nproc-per-node N "
                     f"script.py`, or call torch.distributed.init_process_group() first."
                 )
-            else:
-                # A ValueError that names the variable, not int()'s bare one.
-                port = parse_master_port(os.environ["MASTER_PORT"])
-                self._join_group(timeout, "env://", os.environ["MASTER_ADDR"], port)
+            joining = torch_rendezvous_from_slurm() if missing else torch_rendezvous_from_torchrun()
+            joining.check_port_is_free()
+            if joining.local_rank is not None:
+                self._local_rank = joining.local_rank
+            self._join_group(timeout, joining)
+        elif "LOCAL_RANK" in os.environ:
+            self._local_rank = env_int(
+                "LOCAL_RANK", minimum=0, what="this worker's rank on its host"
+            )
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
         if self._local_rank < 0:
@@ -114,17 +114,10 @@ class TorchEngine(Engine):
         self._learn_peers()
         self._cuda_backend = self._transport_for_cuda_tensors()
 
-    def _join_group(
-        self,
-        timeout: timedelta,
-        url: str,
-        master_addr: str,
-        port: int,
-        prefix: str = "pyro_distributed",
-    ) -> None:
-        """Join the group at ``url`` (torchrun's ``env://``, or a Slurm step's
-        ``tcp://``), with keys under ``prefix`` and unique to this restart,
-        over an interface that the other hosts can reach.
+    def _join_group(self, timeout: timedelta, joining: Rendezvous) -> None:
+        """Join the group that ``joining`` describes (torchrun's variables, or a
+        Slurm step's), with keys under its prefix, over an interface that the
+        other hosts can reach.
 
         After ``torchrun --max-restarts`` restarts a job on its agent's store
         (``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's default), that store
@@ -138,15 +131,15 @@ class TorchEngine(Engine):
         checks that no worker would advertise a loopback address to another
         host (:mod:`.network`): gloo's own connect would wait unbounded.
         """
-        store, rank, world_size = _store_of_this_attempt(url, timeout, prefix)
-        if world_size > 1:
-            choose_gloo_interface(master_addr, port)
-            check_peer_addresses(store, rank, world_size)
+        store = open_store(joining, timeout)
+        if joining.world_size > 1:
+            choose_gloo_interface(joining.address, joining.port)
+            check_peer_addresses(store, joining.rank, joining.world_size)
         dist.init_process_group(
             backend=self._default_backend(max(self._local_rank, 0)),
             store=store,
-            rank=rank,
-            world_size=world_size,
+            rank=joining.rank,
+            world_size=joining.world_size,
             timeout=timeout,
         )
 
@@ -307,17 +300,77 @@ class TorchEngine(Engine):
 _LEFT_BEHIND: list[Any] = []
 
 
-def _store_of_this_attempt(url: str, timeout: timedelta, prefix: str) -> tuple[Any, int, int]:
-    """The rendezvous store at ``url``, bounded by ``timeout``, with keys under
-    ``prefix`` and this restart's count where torchrun's agent store outlives a
-    restart (see :meth:`TorchEngine._join_group`); this worker's rank and the
-    world size."""
-    store, rank, world_size = next(rendezvous(url, timeout=timeout))
+#: How much longer than the time-out a worker waits for the store before it
+#: gives up itself: worker 0's own wait for the others ends at the time-out,
+#: and its message (how many joined) is the more useful one.
+_STORE_GRACE_S = 5.0
+
+
+def open_store(joining: Rendezvous, timeout: timedelta) -> Any:
+    """The rendezvous store of ``joining`` (served by worker 0 unless torchrun's
+    agent serves it), with keys under its prefix, within the time-out.
+
+    A client that reaches a process other than a store on the port (one that
+    holds the port worker 0 could not take) would wait for its answer with no
+    bound of torch's, so the store is made on a thread of its own, and this
+    worker gives up after the time-out. Every failure becomes a
+    :class:`PyroDistributedError` that names the address, the port and where
+    each came from: on every worker, each after at most the time-out.
+    """
+    outcome: list[Any] = []
+
+    def connect() -> None:
+        try:
+            outcome.append(
+                dist.TCPStore(  # type: ignore[attr-defined]  # public, missing from the stubs
+                    host_name=joining.address,
+                    port=joining.port,
+                    world_size=joining.world_size,
+                    is_master=joining.hosts_the_store,
+                    timeout=timeout,
+                    # Another engine of this process may serve this port already.
+                    multi_tenant=joining.hosts_the_store,
+                )
+            )
+        except Exception as error:  # handed to the waiting thread, which names it
+            outcome.append(error)
+
+    thread = threading.Thread(target=connect, name="pyro_distributed rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout.total_seconds() + _STORE_GRACE_S)
+    seconds = f"{timeout.total_seconds():g} s"
+    if not outcome:
+        raise PyroDistributedError(
+            f"worker {joining.rank} of {joining.launcher} found no rendezvous store at "
+            f"{joining.where} within the time-out ({seconds}): something answers on the "
+            f"port, but it is not worker 0's store. Worker 0 may have failed to start it "
+            f"(its own error says why: the port may be taken), or the address and port "
+            f"differ between the workers."
+        )
+    store = outcome[0]
+    if isinstance(store, Exception):
+        raise PyroDistributedError(_store_failure(joining, store, seconds)) from store
     store.set_timeout(timeout)
-    attempt = "0"
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return PrefixStore(f"{prefix}/attempt{attempt}", store), rank, world_size
+    return PrefixStore(joining.prefix, store)
+
+
+def _store_failure(joining: Rendezvous, error: Exception, seconds: str) -> str:
+    """What a worker says when its store could not be made."""
+    if joining.hosts_the_store and "EADDRINUSE" in str(error):
+        return port_taken_message(joining)
+    if joining.hosts_the_store:
+        return (
+            f"worker 0 of {joining.launcher} waited at {joining.where} for all "
+            f"{joining.world_size} workers within the time-out ({seconds}), and not all "
+            f"came ({error}). The others failed before they joined (their own errors say "
+            f"why), or do not share this address, port and world size."
+        )
+    return (
+        f"worker {joining.rank} of {joining.launcher} could not reach the rendezvous store "
+        f"at {joining.where} within the time-out ({seconds}): {error}. Worker 0 hosts it: "
+        f"it may have failed before it did (its own error says why), or the address is "
+        f"not one this host reaches."
+    )
 
 
 def check_addresses_before_a_group(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
@@ -335,7 +388,7 @@ def check_addresses_before_a_group(timeout: timedelta = DEFAULT_TIMEOUT) -> None
         return
     if any(name not in os.environ for name in TORCHRUN_VARIABLES):
         return
-    prefix = "pyro_distributed/host_framework"
-    store, rank, world_size = _store_of_this_attempt("env://", timeout, prefix)
-    if world_size > 1:
-        check_peer_addresses(store, rank, world_size)
+    joining = torch_rendezvous_from_torchrun()
+    store = open_store(joining, timeout)
+    if joining.world_size > 1:
+        check_peer_addresses(PrefixStore("host_framework", store), joining.rank, joining.world_size)

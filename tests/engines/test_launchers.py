@@ -256,7 +256,8 @@ def test_a_taken_port_stops_the_store_host_at_once_naming_it() -> None:
         start = time.monotonic()
         [(code, output)] = _srun_tasks("auto", ranks=[0], SLURM_STEP_RESV_PORTS=f"{port}-{port}")
     assert code == 3, output
-    assert f"refused port {port} (SLURM_STEP_RESV_PORTS={port}-{port}), where worker 0" in output
+    said = f"refused PyroDistributedError: port {port} (SLURM_STEP_RESV_PORTS={port}-{port})"
+    assert f"{said}, where worker 0 of this srun step (job.step 4242.0)" in output
     assert "is already in use" in output and "srun --resv-ports=1" in output
     assert time.monotonic() - start < 25  # not the 30 s time-out of join_and_report.py
 
@@ -305,3 +306,150 @@ def test_a_script_started_from_an_interactive_steps_shell_trains_alone_and_says_
     for rank, process in enumerate(processes):
         output, _ = process.communicate(timeout=120)
         assert f"joined torch {rank} 2 2" in output, output
+
+
+# --- a launcher's variables that no launcher would write -------------------------------------
+
+#: What each launcher gives a worker (rank 0 of 2), to spoil one variable of.
+_TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "LOCAL_RANK": "0"}
+_SRUN = {
+    "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0",
+}  # fmt: skip
+_HOROVODRUN = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}
+_MPIRUN = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}
+_PMI = {"PMI_RANK": "0", "PMI_SIZE": "2"}
+_MVAPICH = {"MV2_COMM_WORLD_RANK": "0", "MV2_COMM_WORLD_SIZE": "2"}
+
+#: (launcher's variables, the spoilt one, its value): each refused by name at once.
+SPOILT = [
+    (_TORCHRUN, "WORLD_SIZE", "abc"),
+    (_TORCHRUN, "WORLD_SIZE", "0"),
+    (_TORCHRUN, "RANK", "abc"),
+    (_TORCHRUN, "RANK", "-1"),
+    (_TORCHRUN, "RANK", "2"),
+    (_TORCHRUN, "LOCAL_RANK", "x"),
+    (_TORCHRUN, "MASTER_ADDR", "node[1-"),
+    (_TORCHRUN, "MASTER_PORT", "abc"),
+    (_SRUN, "SLURM_STEP_NUM_TASKS", "abc"),
+    (_SRUN, "SLURM_STEP_NUM_TASKS", "0"),
+    (_SRUN, "SLURM_PROCID", "x"),
+    (_SRUN, "SLURM_PROCID", "2"),
+    (_SRUN, "SLURM_LOCALID", "-1"),
+    (_SRUN, "SLURM_STEP_NODELIST", "node[1-"),
+    (_SRUN, "SLURM_STEP_NODELIST", "a,,b"),
+    (_SRUN, "SLURM_JOB_ID", "abc"),
+    (_SRUN, "SLURM_STEP_ID", "-2"),
+    (_SRUN, "SLURM_STEP_RESV_PORTS", "abc"),
+    (_SRUN, "SLURM_STEP_RESV_PORTS", "70000"),
+    (_SRUN, "MASTER_PORT", "0"),
+    ({**_SRUN, "SLURM_PTY_PORT": "42819"}, "SLURM_TASK_PID", "abc"),
+    (_HOROVODRUN, "HOROVOD_SIZE", "abc"),
+    (_HOROVODRUN, "HOROVOD_RANK", "2"),
+    (_MPIRUN, "OMPI_COMM_WORLD_SIZE", "abc"),
+    (_MPIRUN, "OMPI_COMM_WORLD_RANK", "-1"),
+    (_PMI, "PMI_RANK", "5"),
+    (_MVAPICH, "MV2_COMM_WORLD_SIZE", "0"),
+    ({"PMIX_RANK": "x"}, "PMIX_RANK", "x"),
+]
+#: The time-out every spoilt worker starts with: none of them may wait for it.
+_SPOILT_TIMEOUT_S = 20
+
+
+def _worker(variables: dict[str, str], timeout: float) -> tuple[subprocess.Popen[str], float]:
+    """``join_and_report.py auto TIMEOUT`` with ``variables`` as its launcher's, started now."""
+    base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+    env = {**base, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **variables}
+    command = [sys.executable, str(SCRIPT), "auto", str(timeout)]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+    return subprocess.Popen(command, env=env, cwd=ROOT, text=True, **pipes), time.monotonic()
+
+
+def _finish(process: subprocess.Popen[str], started: float) -> tuple[int, str, float]:
+    """The exit status, the output and the seconds it took."""
+    output, _ = process.communicate(timeout=120)
+    return process.returncode, output, time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def spoilt_outcomes() -> dict[tuple[str, str], tuple[int, str, float]]:
+    """Every case of ``SPOILT`` run as a real worker, four at a time."""
+    outcomes = {}
+    for first in range(0, len(SPOILT), 4):
+        running = []
+        for variables, name, value in SPOILT[first : first + 4]:
+            env = {**variables, "MASTER_PORT": str(free_port()), name: value}
+            if name == "SLURM_STEP_RESV_PORTS":
+                del env["MASTER_PORT"]  # which would win over the reserved ports
+            running.append(((name, value), *_worker(env, _SPOILT_TIMEOUT_S)))
+        for case, process, started in running:
+            outcomes[case] = _finish(process, started)
+    return outcomes
+
+
+@pytest.mark.parametrize(("name", "value"), [(name, value) for _, name, value in SPOILT])
+def test_a_launcher_variable_no_launcher_would_write_is_refused_by_name_at_once(
+    spoilt_outcomes: dict[tuple[str, str], tuple[int, str, float]], name: str, value: str
+) -> None:
+    code, output, seconds = spoilt_outcomes[name, value]
+    assert code == 3, output
+    assert f"refused ValueError: {name}={value!r} is not " in output, output
+    assert "must be" in output, output  # what was expected
+    assert seconds < _SPOILT_TIMEOUT_S, output  # refused, not timed out
+
+
+# --- two workers, one of which cannot join ----------------------------------------------------
+
+#: The time-out of the two-worker cases: the worker left waiting raises after it.
+_PAIR_TIMEOUT_S = 4
+
+
+def _pair(variables: list[dict[str, str]]) -> list[tuple[int, str, float]]:
+    started = [_worker(env, _PAIR_TIMEOUT_S) for env in variables]
+    return [_finish(process, start) for process, start in started]
+
+
+def _bounded(seconds: float) -> bool:
+    """Whether a worker that waited gave up within the time-out and the store's
+    grace, with time to start the interpreter on a busy machine."""
+    return seconds < _PAIR_TIMEOUT_S + 5 + 12
+
+
+def test_a_rank_past_the_world_size_is_refused_and_the_worker_left_waiting_says_where() -> None:
+    port = free_port()
+    worker_0, spoilt = _pair(
+        [{**_TORCHRUN, "MASTER_PORT": str(port), "RANK": rank} for rank in ("0", "2")]
+    )
+    assert spoilt[0] == 3, spoilt[1]
+    assert "refused ValueError: RANK='2' is not this worker's rank" in spoilt[1], spoilt[1]
+    assert "from 0 to 1 (one less than WORLD_SIZE=2)" in spoilt[1]
+    assert spoilt[2] < _PAIR_TIMEOUT_S + 12, spoilt[1]  # without waiting for the time-out
+    assert worker_0[0] == 3, worker_0[1]
+    said = f"refused PyroDistributedError: worker 0 of this torchrun job waited at 127.0.0.1:{port}"
+    assert said in worker_0[1], worker_0[1]
+    assert f"(MASTER_ADDR=127.0.0.1, MASTER_PORT={port}) for all 2 workers" in worker_0[1]
+    assert _bounded(worker_0[2]), worker_0
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_a_busy_master_port_is_named_by_worker_0_and_the_others_give_up_in_time(
+    launcher: str,
+) -> None:
+    port = free_port()
+    if launcher == "torchrun":
+        workers = [{**_TORCHRUN, "RANK": str(rank)} for rank in range(2)]
+    else:
+        workers = [{**_SRUN, "SLURM_PROCID": str(rank)} for rank in range(2)]
+    where = f"this {'torchrun job' if launcher == 'torchrun' else 'srun step (job.step 4242.0)'}"
+    with _listening_on(port):  # another process's server holds the port
+        worker_0, worker_1 = _pair([{**env, "MASTER_PORT": str(port)} for env in workers])
+    assert worker_0[0] == 3, worker_0[1]
+    said = f"refused PyroDistributedError: port {port} (MASTER_PORT={port}), where worker 0"
+    assert f"{said} of {where} would host" in worker_0[1], worker_0[1]
+    assert "is already in use" in worker_0[1]
+    assert worker_0[2] < _PAIR_TIMEOUT_S + 12, worker_0[1]  # at once, not after the time-out
+    assert worker_1[0] == 3, worker_1[1]
+    said = f"refused PyroDistributedError: worker 1 of {where} found no rendezvous store at "
+    assert said in worker_1[1], worker_1[1]
+    assert f"{port} (" in worker_1[1] and f"MASTER_PORT={port}) within the time-out" in worker_1[1]
+    assert _bounded(worker_1[2]), worker_1
