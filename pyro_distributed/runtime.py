@@ -207,12 +207,14 @@ def all_mean(value: Number) -> Number:
     engine = current_engine()
     if isinstance(value, Tensor):
         if not value.is_floating_point():
-            raise TypeError(f"all_mean needs a floating-point tensor, got dtype {value.dtype}")
+            raise TypeError(
+                f"all_mean: value must be a floating-point tensor, got dtype {value.dtype}"
+            )
         result = value.detach().clone()
         engine.allreduce_([result], op="mean")
         return result
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"all_mean takes a float or a tensor, got {type(value).__name__}")
+        raise TypeError(f"all_mean: value must be a float or a tensor, got {value!r:.60}")
     return float_mean(engine, float(value))
 
 
@@ -264,12 +266,14 @@ def all_workers(flag: bool | Tensor) -> bool:
 def _reduce_flag(flag: bool | Tensor, caller: str, *, negate: bool) -> bool:
     if isinstance(flag, Tensor):
         if flag.numel() != 1:
-            raise ValueError(f"{caller} takes one flag, got a tensor of shape {tuple(flag.shape)}")
+            raise ValueError(
+                f"{caller}: flag must be one flag, got a tensor of shape {tuple(flag.shape)}"
+            )
         flag = bool(flag.item())
     if isinstance(flag, np.bool_):
         flag = bool(flag)
     if not isinstance(flag, bool):
-        raise TypeError(f"{caller} takes a bool (or a one-element tensor), got {flag!r}")
+        raise TypeError(f"{caller}: flag must be a bool (or a one-element tensor), got {flag!r}")
     # cpu: a Python flag
     buffer = torch.tensor([int(flag != negate)], dtype=torch.int64, device="cpu")
     current_engine().allreduce_([buffer], op="max")

@@ -25,6 +25,7 @@ import pyro
 import torch
 
 from . import runtime
+from .checks import check_int, check_number
 from .engines import Engine
 from .optim.noise_scale import NoiseScale
 
@@ -64,9 +65,8 @@ def measure_collective(
         for nbytes, seconds in pd.scaling.measure_collective():
             print(f"{nbytes} bytes: {1e6 * seconds:.0f} us")
     """
+    check_int("measure_collective: repeats", repeats, minimum=1)
     engine = engine or runtime.current_engine()
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats!r}")
     medians = []
     for size in sizes:
         buffer = torch.zeros(max(1, size // 4), device=device)
@@ -96,6 +96,13 @@ class CollectiveCost:
     latency_s: float
     bandwidth: float  # bytes per second
     world_size: int
+
+    def __post_init__(self) -> None:
+        check_number("CollectiveCost: latency_s", self.latency_s)
+        if self.latency_s < 0:
+            raise ValueError(f"CollectiveCost: latency_s must be >= 0, got {self.latency_s!r}")
+        check_number("CollectiveCost: bandwidth", self.bandwidth, positive=True, finite=False)
+        check_int("CollectiveCost: world_size", self.world_size, minimum=1)
 
     @classmethod
     def fit(cls, timings: Sequence[tuple[int, float]], world_size: int) -> CollectiveCost:
@@ -236,6 +243,14 @@ def project_scaling(
         )
         print(projection.table())
     """
+    if not isinstance(noise, NoiseScale):
+        raise TypeError(f"project_scaling: noise must be a NoiseScale, got {noise!r:.60}")
+    if not isinstance(cost, CollectiveCost):
+        raise TypeError(f"project_scaling: cost must be a CollectiveCost, got {cost!r:.60}")
+    check_number("project_scaling: compute_s", compute_s, positive=True)
+    check_number("project_scaling: gradient_bytes", gradient_bytes)
+    if gradient_bytes < 0:
+        raise ValueError(f"project_scaling: gradient_bytes must be >= 0, got {gradient_bytes!r}")
     b_noise = noise.b_simple
     if not (math.isfinite(b_noise) and b_noise >= 0):
         raise ValueError(
@@ -308,6 +323,11 @@ def scaling_advice(
         projection = pd.scaling.scaling_advice(optim, step, network_bandwidth=1.25e9)
         print(projection.recommended)
     """
+    if not callable(getattr(optim, "noise_scale", None)):
+        raise TypeError(f"scaling_advice: optim must be a DistributedOptimizer, got {optim!r:.60}")
+    if not callable(step):
+        raise TypeError(f"scaling_advice: step must be callable, got {step!r:.60}")
+    check_int("scaling_advice: measure_steps", measure_steps, minimum=1)
     engine = optim.engine
     if gradient_bytes is None:
         params = pyro.get_param_store().named_parameters()

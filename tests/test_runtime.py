@@ -36,7 +36,7 @@ def test_all_mean_in_one_process_returns_the_same_type() -> None:
 
 @pytest.mark.parametrize("bad", ["1.0", None, True])
 def test_all_mean_rejects_non_numbers(bad: object) -> None:
-    with pytest.raises(TypeError, match="all_mean takes a float or a tensor"):
+    with pytest.raises(TypeError, match="all_mean: value must be a float or a tensor"):
         pd.all_mean(bad)  # type: ignore[type-var]
 
 
@@ -131,7 +131,7 @@ def test_early_stopping_ends_on_every_worker_at_the_same_step() -> None:
 
 
 def test_flags_must_be_booleans() -> None:
-    with pytest.raises(TypeError, match="any_worker takes a bool"):
+    with pytest.raises(TypeError, match="any_worker: flag must be a bool"):
         pd.any_worker(1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="all_workers takes one flag"):
+    with pytest.raises(ValueError, match="all_workers: flag must be one flag"):
         pd.all_workers(torch.tensor([True, False]))

@@ -20,6 +20,8 @@ from typing import Any
 import pyro
 from torch import Tensor
 
+from ..checks import check_int
+
 
 @dataclass(frozen=True)
 class RowOrigin:
@@ -108,6 +110,12 @@ class data_plate(pyro.plate):
     """
 
     def __init__(self, name: str, data: Tensor, dim: int | None = None) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"data_plate: name must be a string, got {name!r}")
+        check_int("data_plate: dim", dim, optional=True)
+        if dim is not None and dim >= 0:
+            # Pyro counts plate dimensions from the right.
+            raise ValueError(f"data_plate: dim must be a negative int or None, got {dim!r}")
         if not isinstance(data, Tensor):
             raise TypeError(
                 f"data_plate {name!r}: data must be a tensor, got {type(data).__name__}"

@@ -103,7 +103,7 @@ def shard(data: Tensor, *, uneven: Uneven = "split") -> Tensor:
         subsample=pd.shard_indices(len(x)))``.
     """
     if not isinstance(data, Tensor):
-        raise TypeError(f"shard takes a tensor, got {type(data).__name__}")
+        raise TypeError(f"shard: data must be a tensor, got {type(data).__name__}")
     if data.dim() == 0:
         raise ValueError(
             f"shard: data must have at least one dimension to shard along (its rows "
@@ -199,6 +199,11 @@ class ShardSampler(Sampler[int]):
                 "ShardSampler needs shards of equal length (every worker takes the same "
                 "number of steps per epoch): use uneven='drop' or 'pad', not 'split'"
             )
+        if not hasattr(dataset, "__len__"):
+            raise TypeError(
+                f"ShardSampler: dataset must have a length (a map-style dataset), "
+                f"got {type(dataset).__name__}"
+            )
         check_bool("shuffle", shuffle)
         check_bool("by_block", by_block)
         # A block's order is seeded by a derived seed, which takes no negatives.
@@ -265,6 +270,8 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
     .. warning::
         Every worker must wrap its loop the same way: the check is a collective.
     """
+    if not isinstance(batches, Iterable):
+        raise TypeError(f"even_batches: batches must be iterable, got {type(batches).__name__}")
     engine = runtime.current_engine()
     iterator = iter(batches)
     while True:

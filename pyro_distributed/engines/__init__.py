@@ -49,6 +49,10 @@ def check_engine_name(name: str, where: str, *, local: bool = True) -> None:
     engine's name (``"local"`` only if ``local``): the one check every entry
     point that takes ``engine=`` makes, so all of them accept and name the same."""
     allowed = ["auto", *(n for n in ENGINE_NAMES if local or n != "local")]
+    if not isinstance(name, str):
+        raise TypeError(
+            f"{where}: engine must be a name, one of {', '.join(map(repr, allowed))}, got {name!r}"
+        )
     if name not in allowed:
         raise ValueError(
             f"{where}: unknown engine {name!r}; choose one of {', '.join(map(repr, allowed))}"

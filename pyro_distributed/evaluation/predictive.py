@@ -90,6 +90,8 @@ class Predictive:
         seed: int | None = None,
         chunk_size: int | None = None,
     ) -> None:
+        if not callable(model):
+            raise TypeError(f"Predictive: model must be callable, got {model!r:.60}")
         check_choice("Predictive: split", split, ("samples", "data"))
         check_choice("Predictive: gather", gather, ("main", "all"))
         check_int("Predictive: seed", seed, minimum=0, optional=True)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..checks import check_bool, check_int, check_number
 from ..engines import Engine, Pending
 from .hooks import CommHook, GradBucket, Reducing
 
@@ -67,16 +68,20 @@ class LowRankHook(CommHook):
         error_feedback: bool = True,
         seed: int = 0,
     ) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank must be a positive int, got {rank!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-        if not isinstance(min_compression, (int, float)) or not min_compression >= 1:
-            raise ValueError(f"min_compression must be a number >= 1, got {min_compression!r}")
+        check_int("LowRankHook: rank", rank, minimum=1)
+        check_int("LowRankHook: warmup_steps", warmup_steps, minimum=0)
+        check_number("LowRankHook: min_compression", min_compression)
+        if not min_compression >= 1:
+            raise ValueError(
+                f"LowRankHook: min_compression must be at least 1, got {min_compression!r}"
+            )
+        check_bool("LowRankHook: error_feedback", error_feedback)
+        # Seeds torch.Generator.manual_seed, which takes no negatives.
+        check_int("LowRankHook: seed", seed, minimum=0)
         self.rank = rank
         self.warmup_steps = warmup_steps
         self.min_compression = float(min_compression)
-        self.error_feedback = bool(error_feedback)
+        self.error_feedback = error_feedback
         self.seed = seed
         # By the bucket's owner, weakly: a new plan of buckets starts afresh.
         self._buckets: weakref.WeakKeyDictionary[object, _BucketState] = weakref.WeakKeyDictionary()

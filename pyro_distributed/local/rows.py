@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyro
 import torch
 from torch import Tensor
 from torch.distributions import constraints, transform_to
 
 from .. import runtime
+from ..checks import check_choice
 from ..gather import Destination, gather_pieces
 from .registry import LocalParam, local_of, local_param, module_constraint, unconstrained
 from .store import length_along
+
+
+def _check_named(caller: str, name: Any, module: Any) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"{caller}: name must be a parameter's name (a string), got {name!r}")
+    if module is not None and not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{caller}: module must be a torch.nn.Module or None, got {module!r:.60}")
 
 
 def _named(name: str, module: torch.nn.Module | None) -> tuple[LocalParam | None, Tensor]:
@@ -57,6 +67,7 @@ def local_rows(name: str, *, module: torch.nn.Module | None = None) -> tuple[Ten
         indices, locs = pd.local_rows("AutoNormal.locs.z")
         predictions[indices] = decode(locs)   # this worker's data points
     """
+    _check_named("local_rows", name, module)
     param, value = _named(name, module)
     if param is None:
         return torch.arange(len(value), device=value.device), value
@@ -90,6 +101,8 @@ def gather_param(
     .. warning::
         A collective: call it on every worker, with the same name.
     """
+    _check_named("gather_param", name, module)
+    check_choice("gather_param: to", to, ("main", "all"))
     param, value = _named(name, module)
     engine = runtime.current_engine()
     if param is None:

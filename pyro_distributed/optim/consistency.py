@@ -35,6 +35,11 @@ def assert_in_sync(optim: FrontEnd | None = None) -> None:
     .. warning::
         A collective: call it on every worker at the same point.
     """
+    if optim is not None and not callable(getattr(optim, "checked_tensors", None)):
+        raise TypeError(
+            f"assert_in_sync: optim must be a DistributedOptimizer, a "
+            f"DistributedTorchOptimizer or None, got {optim!r:.60}"
+        )
     if optim is not None:
         tensors, state = optim.checked_tensors(), optim.get_state()
         compare_across_workers(optim.engine, tensors, optim.checked_buffers(), state)

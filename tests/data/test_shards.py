@@ -62,7 +62,7 @@ def test_shard_in_one_process_is_everything() -> None:
     assert pd.shard(torch.arange(5)).tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="uneven must be 'split', 'drop' or 'pad'"):
         pd.shard_indices(5, uneven="wrap")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="shard takes a tensor"):
+    with pytest.raises(TypeError, match="shard: data must be a tensor"):
         pd.shard([1, 2, 3])  # type: ignore[arg-type]
 
 

@@ -165,16 +165,20 @@ def test_warmup_steps_are_exact_and_vectors_always_are() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "error", "message"),
     [
-        ({"rank": 0}, "rank must be a positive int"),
-        ({"rank": True}, "rank must be a positive int"),
-        ({"rank": 2, "warmup_steps": -1}, "warmup_steps must be an int >= 0"),
-        ({"rank": 2, "min_compression": 0.5}, "min_compression must be a number >= 1"),
+        ({"rank": 0}, ValueError, "rank must be a positive int"),
+        ({"rank": True}, TypeError, "rank must be an int, got True"),
+        ({"rank": 2, "warmup_steps": -1}, ValueError, "warmup_steps must be a non-negative int"),
+        ({"rank": 2, "min_compression": 0.5}, ValueError, "min_compression must be at least 1"),
+        ({"error_feedback": "no"}, TypeError, "error_feedback must be True or False, got 'no'"),
+        ({"seed": "abc"}, TypeError, "seed must be an int, got 'abc'"),
     ],
 )
-def test_bad_arguments_are_refused(kwargs: dict[str, object], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+def test_bad_arguments_are_refused(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
         LowRankHook(**kwargs)  # type: ignore[arg-type]
 
 
