@@ -63,9 +63,11 @@ def load(
     trusted: bool = False,
     strict: bool = True,
     with_local: bool = True,
+    with_optim: bool = True,
 ) -> int:
     """:func:`~pyro_distributed.load_checkpoint` of a run with a Pyro optimizer
-    (``with_local=False``: leaving local parameters' blocks on disk)."""
+    (``with_local=False``: leaving local parameters' blocks on disk;
+    ``with_optim=False``: the parameters alone, not the optimizer's state)."""
     engine = optim.engine
     found = files.read(path, engine, missing_ok, trusted=trusted)
     if found is None:
@@ -84,8 +86,9 @@ def load(
             )
         local.update(files.local_params_of(state))
         _check_compatible(os.fspath(path), state, local, strict)
-        saved = state["param_store"]["params"]
-        check_pyro_optim(optim.wrapped, state["optim"], saved, repr(os.fspath(path)))
+        if with_optim:
+            saved = state["param_store"]["params"]
+            check_pyro_optim(optim.wrapped, state["optim"], saved, repr(os.fspath(path)))
 
     files.agree(engine, check)
 
@@ -104,7 +107,8 @@ def load(
         # Names not created yet (a guide's, before its first call) are checked
         # at the first step, against what it steps.
         optim.expect_parameters(set(state["param_store"]["params"]) | set(local), os.fspath(path))
-    optim.set_state({**state["optim"], **local_state})
+    if with_optim:
+        optim.set_state({**state["optim"], **local_state})
     optim.num_steps = state["num_steps"]
     files.restore_rng(state, engine)
     return int(state["num_steps"])
@@ -120,9 +124,10 @@ def save_store(path: str | os.PathLike[str], engine: Engine) -> None:
 def load_store_here(path: str | os.PathLike[str], *, with_local: bool = True) -> None:
     """Load a checkpoint's param store into this process alone, at one worker:
     values written into the tensors that exist here, owned rows joined in order
-    (``with_local=False``: left on disk); names only one side has are left alone."""
+    (``with_local=False``: left on disk); names only one side has are left alone.
+    The optimizer's state stays in the file, for a launch's ``resume=``."""
     stand_in = DistributedOptimizer(SGD({}), engine=LocalEngine())
-    load(path, stand_in, False, strict=False, with_local=with_local)
+    load(path, stand_in, False, strict=False, with_local=with_local, with_optim=False)
 
 
 def _restore_param_store(saved: dict[str, Any], local: dict[str, Any]) -> None:

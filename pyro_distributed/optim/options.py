@@ -165,13 +165,16 @@ class EngineBinding:
     def engine(self) -> Engine:
         """The engine, started now if it was not yet chosen.
 
-        :raises PyroDistributedError: if it is bound to one worker and a
-            process group of more workers has appeared since.
+        :raises PyroDistributedError: if it was bound to one worker by name
+            (``"auto"`` before a process group existed, or ``"local"``) and a
+            process group of more workers has appeared since. An engine object
+            the caller passed is used as given: loading a launch's results at
+            one worker, inside a worker of another launch, asks for exactly that.
         """
         if self._engine is None:
             assert isinstance(self._wanted, str)
             self._engine = runtime.init(self._wanted)
-        elif self._engine.world_size == 1:
+        elif self._engine.world_size == 1 and isinstance(self._wanted, str):
             larger = self._engine.outgrown()
             if larger is not None:
                 raise PyroDistributedError(
