@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import warnings
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -50,3 +50,16 @@ def test_a_model_makes_a_loader_over_chosen_observations() -> None:
 def test_cell2location_computes_quantiles_on_chosen_observations() -> None:
     names = parameters(installed("cell2location.models").Cell2location._posterior_quantile)
     assert {"batch_size", "data_loader_indices", "exclude_vars"} <= set(names), version()
+
+
+def test_a_splitter_keeps_its_loaders_distributed_sampler_where_it_can_be_dropped() -> None:
+    from pyro_distributed.integrations.scvi import internals
+
+    dataloaders = installed("scvi.dataloaders")
+    manager = SimpleNamespace(adata=SimpleNamespace(n_obs=10))  # all a splitter reads when made
+    for splitter_class in (dataloaders.DataSplitter, dataloaders.DeviceBackedDataSplitter):
+        splitter = splitter_class(manager, distributed_sampler=True)
+        assert internals.takes_distributed_sampler(splitter), version()
+        alone = internals.without_distributed_sampler(splitter)
+        assert not internals.takes_distributed_sampler(alone), version()
+        assert internals.takes_distributed_sampler(splitter), version()  # the copy changed

@@ -10,6 +10,7 @@ import inspect
 import lightning
 from lightning.pytorch import Trainer
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import BatchSampler, SequentialSampler
 
@@ -50,3 +51,23 @@ def test_local_paths_are_told_from_urls() -> None:
     assert internals.is_local_path("checkpoints/last.ckpt"), VERSION
     assert internals.is_local_path("file:///tmp/last.ckpt"), VERSION
     assert not internals.is_local_path("s3://bucket/last.ckpt"), VERSION
+
+
+def test_the_notebook_launcher_keeps_the_hooks_the_kernel_launcher_overrides() -> None:
+    launcher = internals.MultiProcessingLauncher
+    # The worker's entry point, where forked workers are made single-threaded first.
+    assert parameters(launcher._wrapping_function)[:2] == ["self", "process_idx"], VERSION
+    assert parameters(launcher._collect_rank_zero_results) == ["self", "trainer", "results"], (
+        VERSION
+    )
+    assert parameters(launcher._recover_results_in_main_process) == [
+        "self",
+        "worker_output",
+        "trainer",
+    ], VERSION
+    # The field the kernel launcher blanks so that Lightning loads nothing itself.
+    assert "weights_path" in _WorkerOutput._fields, VERSION
+
+
+def parameters(function: object) -> list[str]:
+    return list(inspect.signature(function).parameters)  # type: ignore[arg-type]

@@ -28,7 +28,10 @@ version, when one of these moves.
   forked or spawned workers, the one that works in a Jupyter kernel, and its
   own test for a kernel. The strategy subclasses the launcher to carry what
   the workers trained back to the kernel (:mod:`.kernel`), and picks it where
-  Lightning would refuse its script launcher.
+  Lightning would refuse its script launcher. The subclass overrides the
+  launcher's ``_wrapping_function`` (each worker's entry point),
+  ``_collect_rank_zero_results`` and ``_recover_results_in_main_process``, and
+  blanks the ``weights_path`` of the ``_WorkerOutput`` that worker 0 returns.
 """
 
 from __future__ import annotations

@@ -5,20 +5,36 @@ kernel and loads it with ``strict=False``. For a Pyro model that loses three
 things without a word: the param store, where Pyro plans (scvi-tools',
 cell2location's) keep their parameters; the owned local parameters' rows,
 which differ from worker to worker; and parameters the workers created (a
-guide's, at its first call or in ``setup()``), which the kernel's module does
+guide's, in ``setup()`` or at its first call), which the kernel's module does
 not have, so ``strict=False`` drops them.
 
 :class:`KernelLauncher` saves, on every worker as fitting ends, the param
-store and the module's owned local rows with the library's checkpoints, and
-loads them in the kernel at one worker: rows joined in order, values written
-into the tensors that exist there. A module parameter the workers trained
-and the kernel's module lacks is refused by name, with what to do.
+store and the module (worker 0's global values, every worker's owned local
+rows) with the library's checkpoints, into one folder, and loads them in the
+kernel at one worker (:func:`load_trained`): rows joined in order, values
+written into the tensors that exist there. Parameters the workers built in
+the module's ``setup()`` are built in the kernel the same way first: its
+``setup("fit")`` runs there, so the kernel's guide is set up by the user's
+own code (its plates, its prototype), not only given tensors of the right
+names, which a guide would build afresh, over them, at its next call.
+
+Nothing in the kernel needs the workers' process group, which is gone by
+then. If loading fails all the same (a ``setup()`` that needs the workers),
+the folder is kept and the error names it: :func:`load_trained` loads it
+once the cause is fixed.
+
+Forked workers run torch on one thread each, as torch's own DataLoader
+workers do: GNU OpenMP's thread pool does not survive ``fork()``, and a
+child of a kernel that has run one multi-threaded op hangs at its next one
+unless it uses one thread (:func:`one_thread`).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +54,7 @@ from ..scvi import guides
 from . import internals
 
 STORE = "store.pt"
-MODULE_ROWS = "module_rows.pt"
+MODULE = "module.pt"
 
 
 class KernelLauncher(internals.MultiProcessingLauncher):
@@ -58,9 +74,17 @@ class KernelLauncher(internals.MultiProcessingLauncher):
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         finally:
-            shutil.rmtree(self._carry, ignore_errors=True)
+            if self._carry is not None:  # None when a failed load keeps it for the user
+                shutil.rmtree(self._carry, ignore_errors=True)
             # Not held past the fit: the user's data (a DataSplitter holds the AnnData).
             self._carry, self._datamodule = None, None
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        # In the worker, before its first torch op (and before Lightning's
+        # launcher picks a thread count, which it leaves alone once set).
+        if self._start_method == "fork":
+            one_thread()
+        super()._wrapping_function(*args, **kwargs)
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
         # On every worker: a collective, before worker 0 sends its state_dict.
@@ -70,74 +94,126 @@ class KernelLauncher(internals.MultiProcessingLauncher):
         return super()._collect_rank_zero_results(trainer, results)
 
     def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
-        module = trainer.lightning_module
         carry = Path(self._carry) if self._carry is not None else None
-        lacking: list[str] = []
-        if worker_output.weights_path is not None and carry is not None:
-            checkpoint_io = self._strategy.checkpoint_io
-            lacking = _keep_what_loads(checkpoint_io, worker_output.weights_path, module, carry)
-        super()._recover_results_in_main_process(worker_output, trainer)
-        if carry is not None and (carry / STORE).exists():
-            lacking += load_trained(carry, module)
+        if carry is None or not (carry / MODULE).exists():  # not a fit: Lightning's own
+            super()._recover_results_in_main_process(worker_output, trainer)
+            return
+        # The module comes from the carried folder, which also has what
+        # Lightning's file lacks; Lightning's copy is removed unread.
+        if worker_output.weights_path is not None:
+            self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
+            with suppress(OSError):  # the folder Lightning made for it, now empty
+                os.rmdir(os.path.dirname(worker_output.weights_path))
+        super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
+        module = trainer.lightning_module
+        try:
+            load_trained(carry, module, set_up=lambda: _run_setup(module, trainer))
             guides.set_up_trained_guide(module, self._datamodule)
-        lacking = [name for name in lacking if not _in_the_param_store(name)]
-        if lacking:
+        except Exception as error:
+            self._carry = None  # kept: the only copy of what the workers trained
             raise PyroDistributedError(
-                f"the workers trained parameters that this process's LightningModule does "
-                f"not have: {sorted(set(lacking))}. They were created inside the workers (a "
-                f"guide's, at its first call or in setup()), so their trained values cannot "
-                f"be put here. Create them in this process before trainer.fit (call the "
-                f"model and guide once, or module.setup('fit')), or train from a script "
-                f"under torchrun. The param store and the module's other parameters hold "
-                f"the trained values"
-            )
+                f"the workers finished training, but loading what they trained into this "
+                f"process failed: {type(error).__name__}: {error}. It is all kept in "
+                f"{str(carry)!r} (the param store with every owned row, {STORE}, and the "
+                f"module, {MODULE}); once the cause is fixed, load it with "
+                f"PyroDistributedStrategy.load_trained({str(carry)!r}, module), then delete "
+                f"the folder"
+            ) from error
+
+
+def one_thread() -> None:
+    """In a forked worker, before its first torch op: one thread for torch's
+    intra-op work (and for OpenMP in anything the worker starts)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def save_trained(directory: Path, engine: Engine, module: torch.nn.Module) -> None:
-    """On every worker: the param store, and the module's owned local rows (a collective)."""
+    """On every worker: the param store, and the module, its owned local rows
+    from every worker and the rest from worker 0 (a collective)."""
     param_store.save_store(directory / STORE, engine)
     local = module_locals(module)
     records = {name: held.record for name, held in local.items()}
     values = {name: held.param for name, held in local.items()}
+    # On every worker, as Lightning takes it: a state_dict may be a collective (metrics).
+    state_dict = module.state_dict()
+    rest = {name: value.detach().cpu() for name, value in state_dict.items() if name not in local}
 
     def state(meta: dict[str, Any] | None) -> dict[str, Any]:
-        return {**files.header(engine, 0, "module_rows"), "rng": [], "local": meta}
+        header = files.header(engine, 0, "lightning_module")
+        return {**header, "rng": [], "local": meta, "module": rest}
 
-    files.commit(directory / MODULE_ROWS, engine, state, records, values, {})
+    files.commit(directory / MODULE, engine, state, records, values, {})
 
 
-def load_trained(directory: Path, module: torch.nn.Module) -> list[str]:
-    """In the launching process: the param store and every owned local row,
-    joined; the module's local parameters that this process lacks."""
-    param_store.load_store_here(directory / STORE)
-    meta = files.load_file(directory / MODULE_ROWS)["local"]
-    if meta is None:
-        return []
+def load_trained(
+    directory: str | os.PathLike[str], module: torch.nn.Module | None, *, set_up: Any = None
+) -> None:
+    """In this process alone: the param store with every owned row, joined; then,
+    with ``module``, worker 0's values of its parameters and buffers and every
+    owned local row, joined, written into the tensors that exist here.
+
+    ``set_up()``, if given, runs when ``module`` lacks a parameter the workers
+    trained (the launcher runs the module's ``setup("fit")``), before anything
+    is written into the module.
+
+    :raises PyroDistributedError: naming the module's parameters that the
+        workers trained and this process's module lacks.
+    """
+    folder = Path(directory)
+    param_store.load_store_here(folder / STORE)
+    if module is None:
+        return
+    saved = files.load_file(folder / MODULE)
+    meta = saved["local"]
+    local = dict(meta["params"]) if meta is not None else {}
+    trained = [*saved["module"], *local]
+    lacking = _lacking(module, trained)
+    if lacking and set_up is not None:
+        set_up()
+        lacking = _lacking(module, trained)
+    if lacking:
+        if set_up is not None:
+            what = (
+                ", even after its setup('fit') ran here: the workers created them later "
+                "(in configure_optimizers or a training step), which this process does not "
+                "run. Create them in the module's setup() (which runs in every worker, and "
+                "here to bring the values back) or by calling the model and guide once "
+                "before trainer.fit"
+            )
+        else:
+            what = "; create them first (module.setup('fit'), or call the model and guide once)"
+        raise PyroDistributedError(
+            f"the workers trained parameters that this process's LightningModule does not "
+            f"have: {lacking}{what}"
+        )
+    present = set(module.state_dict())
+    module.load_state_dict(
+        {name: value for name, value in saved["module"].items() if name in present}, strict=False
+    )
     named = dict(module.named_parameters())
-    lacking = [name for name in meta["params"] if name not in named]
-    wanted = {
-        name: LocalParam(name, *spec) for name, spec in meta["params"].items() if name in named
-    }
-    values, _ = load_blocks(directory / MODULE_ROWS, meta, wanted, LocalEngine())
+    # A local parameter that mirrors the param store took its rows from there.
+    wanted = {name: LocalParam(name, *spec) for name, spec in local.items() if name in named}
+    if not wanted:
+        return
+    values, _ = load_blocks(folder / MODULE, meta, wanted, LocalEngine())
     with torch.no_grad():
         for name, value in values.items():
             named[name].data = value.to(named[name].device)  # every row, in order
-    return lacking
 
 
-def _keep_what_loads(
-    checkpoint_io: Any, weights_path: str, module: torch.nn.Module, carry: Path
-) -> list[str]:
-    """Worker 0's state_dict without the owned local rows (its block alone, which
-    :func:`load_trained` replaces with every row); the names it holds that this
-    process's module lacks, which Lightning's ``strict=False`` would drop."""
-    saved = checkpoint_io.load_checkpoint(weights_path)
-    meta = files.load_file(carry / MODULE_ROWS)["local"]
-    local = set(meta["params"]) if meta is not None else set()
-    kept = {name: value for name, value in saved.items() if name not in local}
-    checkpoint_io.save_checkpoint(kept, weights_path)
+def _lacking(module: torch.nn.Module, trained: list[str]) -> list[str]:
+    """The names in ``trained`` that ``module`` has no tensor for, less those that
+    mirror a param-store entry (a guide made here takes its value from there)."""
     here = set(module.state_dict())
-    return [name for name in kept if name not in here]
+    return sorted(name for name in trained if name not in here and not _in_the_param_store(name))
+
+
+def _run_setup(module: Any, trainer: Any) -> None:
+    """The module's ``setup("fit")`` in the launching process, attached to the
+    trainer as Lightning attaches it in a worker before calling it there."""
+    module.trainer = trainer
+    module.setup("fit")
 
 
 def _in_the_param_store(name: str) -> bool:

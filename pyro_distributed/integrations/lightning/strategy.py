@@ -39,6 +39,7 @@ it changes is what DDP does with gradients and data:
 from __future__ import annotations
 
 import atexit
+import os
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -157,11 +158,21 @@ class PyroDistributedStrategy(DDPStrategy):
         only).
 
     .. warning::
-        In a Jupyter kernel (forked workers), a parameter the workers create
-        and the kernel's module does not have cannot come back: create a
-        lazily built guide's parameters in the kernel before ``fit`` (call
-        the model and guide once, or ``module.setup("fit")``). Otherwise
-        ``fit`` raises, naming them, once training ends.
+        In a Jupyter kernel (forked workers), what the workers trained comes
+        back to the kernel's own objects: parameters the workers created in
+        the module's ``setup()`` are created in the kernel by running
+        ``setup("fit")`` there (once, after training, without the workers'
+        process group) before their values are loaded. A parameter first
+        created inside a training step cannot come back: ``fit`` raises,
+        naming it. If loading fails, the folder holding what the workers
+        trained is kept and the error names it; :meth:`load_trained` loads it.
+
+    .. warning::
+        Forked workers run torch on one thread each (as torch's DataLoader
+        workers do): GNU OpenMP's thread pool does not survive ``fork()``, and
+        a worker of a kernel that has run a multi-threaded op would hang at its
+        first. For more threads per worker, ``start_method="spawn"`` with the
+        module importable from a file.
     """
 
     strategy_name = "pyro_distributed"
@@ -246,8 +257,9 @@ class PyroDistributedStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         """The device, then the workers (DDP's set-up calls :meth:`setup_distributed`
-        once the device is chosen). With ``own_local_params``, an scvi-tools data
-        splitter then keeps this worker's block of observations
+        once the device is chosen). An scvi-tools data splitter then leaves the
+        split to the strategy (:func:`anndata.split_by_the_strategy`) and, with
+        ``own_local_params``, keeps this worker's block of observations
         (:func:`anndata.take_over_splitter`)."""
         assert self.cluster_environment is not None
         if self._launcher_starts_workers:  # horovodrun, mpiexec: the engine has the ranks
@@ -261,9 +273,11 @@ class PyroDistributedStrategy(DDPStrategy):
             workers = self.cluster_environment.world_size()
             launch.check_devices(self.num_nodes, self.num_processes, workers, "the launcher")
         super().setup_environment()
-        if self.own_local_params and self.lightning_module is not None:
+        if self.lightning_module is not None:
             datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
-            self._observations = anndata.take_over_splitter(datamodule)
+            anndata.split_by_the_strategy(datamodule, own_local_params=self.own_local_params)
+            if self.own_local_params:
+                self._observations = anndata.take_over_splitter(datamodule)
 
     def setup_distributed(self) -> None:
         """The workers, once the device is chosen. With ``engine="horovod"`` or
@@ -478,6 +492,20 @@ class PyroDistributedStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module else None
         if trainer is not None:
             collectives.gather_predictions(self.engine, trainer.predict_loop)
+
+    # -- what forked workers trained, loaded by hand
+
+    @staticmethod
+    def load_trained(folder: str | os.PathLike[str], module: torch.nn.Module | None) -> None:
+        """Load what workers forked from a kernel trained, from the folder that a
+        failed load kept (the error names it): the param store with every owned
+        row, and, with ``module``, its parameters, buffers and every owned local
+        row (for an scvi-tools model, ``None``: its Pyro parameters are in the
+        param store). The module must have every trained parameter already.
+
+        :raises PyroDistributedError: naming the parameters ``module`` lacks.
+        """
+        kernel.load_trained(folder, module)
 
     # -- registration
 

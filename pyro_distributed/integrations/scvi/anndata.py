@@ -12,6 +12,8 @@ loaders itself, inside ``model.train()``:
 * loaders that pass a ``BatchSampler`` as the DataLoader's *sampler* (with
   ``batch_size=None``), so that one ``__getitem__`` reads a whole batch.
 
+:func:`split_by_the_strategy` turns scvi-tools' own ``distributed_sampler``
+off where it would split a worker's share again, and
 :func:`take_over_splitter` makes the splitter keep this worker's block of
 each of its sets: the split is computed as scvi-tools computes it (the same
 indices on every worker), then cut to the block and handed back through the
@@ -45,6 +47,7 @@ from ...engines import Engine
 from ...errors import PyroDistributedError
 from ...partition import block_range
 from ...seeding import derived_seed
+from . import internals
 
 # The splitters already taken over, and their number of observations: kept here,
 # not written onto the user's data module.
@@ -54,11 +57,33 @@ _TAKEN_OVER: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _INDICES_KEY = "ind_x"
 
 
-def _splitter_class() -> Any:
-    """scvi-tools' ``DataSplitter``, if scvi-tools is already imported (never imported here)."""
+def _splitter_class(name: str = "DataSplitter") -> Any:
+    """scvi-tools' ``DataSplitter`` (or another of its data modules), if scvi-tools
+    is already imported (never imported here)."""
     if "scvi" not in sys.modules:
         return None
-    return importlib.import_module("scvi.dataloaders").DataSplitter
+    return getattr(importlib.import_module("scvi.dataloaders"), name)
+
+
+def split_by_the_strategy(datamodule: Any, *, own_local_params: bool) -> None:
+    """Turn scvi-tools' ``distributed_sampler=True`` off where the strategy splits
+    the data itself, and it would split this worker's share a second time:
+
+    * in a device-backed splitter (``batch_size=None``), whose one loading
+      batch would hold this worker's share only, of which the strategy's
+      sampler would then give it a part;
+    * with ``own_local_params``, where the worker's block would be shared out
+      again, leaving rows that no worker trains.
+
+    Elsewhere (a ``DataSplitter``'s loaders, without ownership) the sampler
+    already gives each worker its share, and the strategy leaves it alone.
+    """
+    splitter = _splitter_class()
+    if splitter is None or not isinstance(datamodule, splitter):
+        return
+    device_backed = isinstance(datamodule, _splitter_class("DeviceBackedDataSplitter"))
+    if (own_local_params or device_backed) and internals.takes_distributed_sampler(datamodule):
+        internals.drop_distributed_sampler(datamodule)
 
 
 def take_over_splitter(datamodule: Any) -> int | None:

@@ -12,7 +12,7 @@ trained. The strategy calls these at those moments:
 * :func:`shard_guide_warmups` on scvi-tools' warm-up callbacks, whose guide
   call starts training;
 * :func:`set_up_trained_guide` in the process that launched the workers,
-  once their parameters are in its param store.
+  once their parameters are in its param store, without a process group.
 """
 
 from __future__ import annotations
@@ -70,8 +70,11 @@ def set_up_trained_guide(plan: Any, datamodule: Any) -> None:
         return
     if getattr(guide, "prototype_trace", 0) is not None:
         return  # set up already (or no autoguide)
-    datamodule.setup("fit")
-    batch = next(iter(datamodule.train_dataloader()))
+    # The workers' process group is gone: a copy of the splitter that needs none
+    # (scvi-tools' distributed_sampler=True would), set up here.
+    splitter = internals.without_distributed_sampler(datamodule)
+    splitter.setup("fit")
+    batch = next(iter(splitter.train_dataloader()))
     args, kwargs = internals.batch_args(module, _to(batch, plan.device))
     guide(*args, **kwargs)  # every parameter exists in the store: none is drawn anew
 

@@ -13,10 +13,14 @@ one of them; read this file when upgrading.
 * cell2location's ``QuantileMixin._posterior_quantile``: a posterior's
   quantiles, computed on the observations that ``data_loader_indices`` picks.
 * ``BaseModelClass._make_data_loader``: a loader over chosen observations.
+* ``DataSplitter.data_loader_kwargs``: the keyword arguments a splitter hands
+  its loaders, where ``distributed_sampler=True`` asks for a sampler that
+  reads the torch process group.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -57,3 +61,27 @@ def data_loader(model: Any, indices: np.ndarray) -> Any:
     return model._make_data_loader(
         adata=model.adata, indices=indices, shuffle=False, batch_size=len(indices)
     )
+
+
+def without_distributed_sampler(splitter: Any) -> Any:
+    """``splitter`` (an scvi-tools data splitter), or a shallow copy of it whose
+    loaders take no distributed sampler: scvi-tools' ``BatchDistributedSampler``
+    asks the torch process group for its world size, and a process without one
+    (a kernel whose workers are gone) gets an error instead of a loader."""
+    if not takes_distributed_sampler(splitter):
+        return splitter
+    alone = copy.copy(splitter)
+    drop_distributed_sampler(alone)
+    return alone
+
+
+def takes_distributed_sampler(splitter: Any) -> bool:
+    """Whether ``splitter`` hands its loaders ``distributed_sampler=True``."""
+    kwargs = getattr(splitter, "data_loader_kwargs", None)
+    return isinstance(kwargs, dict) and bool(kwargs.get("distributed_sampler"))
+
+
+def drop_distributed_sampler(splitter: Any) -> None:
+    """Make ``splitter`` hand its loaders no ``distributed_sampler`` (on this instance)."""
+    kwargs = splitter.data_loader_kwargs
+    splitter.data_loader_kwargs = {k: v for k, v in kwargs.items() if k != "distributed_sampler"}
