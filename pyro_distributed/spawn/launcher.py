@@ -13,25 +13,29 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import sys
-import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from .. import runtime
+from ..checks import check_number
 from ..errors import PyroDistributedError
-from . import processes, progress, state, worker
+from . import folders, processes, progress, state, worker
 
 #: Engines whose workers a launch can start: the others come with a launcher
 #: of their own (horovodrun, mpiexec), which starts them instead.
 ENGINES = ("torch",)
+#: How long a failure waits to see whether a worker that has not reported died,
+#: which then is the failure reported.
+DEATH_GRACE_S = 0.5
 
 
 @dataclass
@@ -73,6 +77,7 @@ def launch(
     workers: int = 2,
     engine: str = "torch",
     timeout: float | timedelta | None = None,
+    time_limit: float | timedelta | None = None,
     start_method: str | None = None,
     resume: Launched | None = None,
     rows_in_memory: int | None = None,
@@ -80,11 +85,14 @@ def launch(
     """Run ``fn(*args)`` on ``workers`` processes that join one engine, from a
     Jupyter kernel or a script, and bring what they trained back here.
 
-    Each worker is a fresh process on this machine (forked where the platform
-    allows: a function defined in the notebook runs as it is), with one GPU
-    each where there are GPUs (``LOCAL_RANK``), joined on 127.0.0.1 at a free
-    port. Inside ``fn``, write the same code as in a script run by torchrun:
-    ``pd.shard``, ``pd.DistributedOptimizer``, ``svi.step``, and
+    Each worker is a fresh process on this machine, forked from a server
+    process that has run no computation (``forkserver``; spawn where the
+    platform lacks it), with one GPU each where there are GPUs
+    (``LOCAL_RANK``), joined on 127.0.0.1 at a free port. ``fn``, ``args`` and
+    this process's param store travel to the workers pickled with cloudpickle,
+    so a function defined in the notebook runs as it is. Inside ``fn``, write
+    the same code as in a script run by torchrun: ``pd.shard``,
+    ``pd.DistributedOptimizer``, ``svi.step``, and
     :func:`pyro_distributed.progress` for a bar that appears here.
 
     When it returns, this process holds what the workers trained:
@@ -97,15 +105,23 @@ def launch(
     * the state of every :class:`~pyro_distributed.DistributedOptimizer`
       ``fn`` made, which a launch with ``resume=`` continues from.
 
-    :param fn: the function every worker runs; with ``start_method="spawn"``
-        it and ``args`` must pickle (cloudpickle is used where installed).
+    :param fn: the function every worker runs; unless ``start_method="fork"``,
+        it and ``args`` must pickle with cloudpickle.
     :param workers: how many processes (at least 1).
     :param engine: ``"torch"``, the engine the workers join (gloo on CPUs,
         NCCL on GPUs).
-    :param timeout: the engine's time-out (:func:`pyro_distributed.init`): a
-        hung worker makes the others raise after it.
-    :param start_method: ``None`` (fork where available, else spawn),
-        ``"fork"``, ``"spawn"`` or ``"forkserver"``.
+    :param timeout: the engine's time-out (:func:`pyro_distributed.init`):
+        bounds each collective, so a worker that stops taking part makes the
+        others raise after it. It does not bound work outside collectives.
+    :param time_limit: a bound on the whole launch, in seconds or a
+        ``timedelta``: past it every worker is stopped and
+        :class:`~pyro_distributed.PyroDistributedError` is raised. ``None``:
+        no bound (an interrupt still stops every worker).
+    :param start_method: ``None`` (forkserver where available, else spawn),
+        ``"forkserver"``, ``"spawn"`` or ``"fork"``. Each worker runs
+        ``OMP_NUM_THREADS`` intra-op threads where that is set, else this
+        machine's cores divided by ``workers`` (at least one); under
+        ``"fork"``, one (see the warning below).
     :param resume: an earlier launch of the same model: the k-th optimizer
         ``fn`` makes starts from its k-th optimizer's state, values, step
         count and (at the same number of workers) RNG states, so that two
@@ -114,8 +130,9 @@ def launch(
         this process; past it they stay on disk, read with
         :meth:`Launched.local_rows`. ``None``: always load them.
     :raises PyroDistributedError: if a worker raised (with its traceback) or
-        died; every other worker is stopped first. Also, before any worker
-        starts, if CUDA is initialised here and workers would be forked.
+        died, or ``time_limit`` passed; every other worker is stopped first.
+        Also, before any worker starts, if workers would be forked from a
+        process that has initialised CUDA or holds a torch.distributed group.
     :raises KeyboardInterrupt: after stopping every worker, on an interrupt.
 
     Example, in a notebook cell::
@@ -137,14 +154,30 @@ def launch(
         Workers are separate processes: what ``fn`` changes outside Pyro's
         param store and the optimizers it makes (a module's attributes, a
         list in the kernel) stays in the workers. Return it instead.
+
+    .. warning::
+        ``start_method="fork"`` copies this process as it is, and GNU
+        OpenMP's thread pool (torch's intra-op threads) does not survive a
+        fork: a forked worker would wait forever in its first parallel op
+        after this process has run one. Forked workers therefore run one
+        thread each. A script that launches with forkserver or spawn needs
+        multiprocessing's ``if __name__ == "__main__":`` guard.
+
+    .. warning::
+        Workers end with the launching process, by any signal (a kernel
+        restart included), and the folder a killed launch left in the
+        temporary directory is removed by the next launch.
     """
-    _check_arguments(workers, engine, resume, rows_in_memory)
+    _check_arguments(fn, workers, engine, resume, rows_in_memory)
     checked_timeout = None if timeout is None else runtime.as_timeout(timeout)
+    limit = None if time_limit is None else _as_seconds("time_limit", time_limit)
     context = processes.context(start_method)
     method = context.get_start_method()
     pickled = processes.portable(fn, args, method)
-    directory = Path(tempfile.mkdtemp(prefix="pyro-distributed-launch-"))
+    directory = folders.new_folder()
     trained = state.TrainedState(directory)  # removes the directory once unused
+    threads = processes.worker_threads(method, workers)
+    environment = dict(os.environ)
     port = processes.free_port()
     out_read, out_write = context.Pipe(duplex=False)
     err_read, err_write = context.Pipe(duplex=False)
@@ -162,6 +195,8 @@ def launch(
                 checked_timeout,
                 directory,
                 resume._trained if resume else None,
+                threads,
+                environment,
             )
             first = rank == 0
             process = context.Process(  # type: ignore[attr-defined]
@@ -183,9 +218,10 @@ def launch(
             started.append(process)
         for end in (out_write, err_write, counts_write):
             end.close()
-        value_bytes, saved = _follow(started, reports, out_read, err_read, counts_read)
+        value_bytes, saved = _follow(started, reports, out_read, err_read, counts_read, limit)
     except BaseException:
         processes.stop(started)  # on an interrupt too: nothing outlives a launch
+        shutil.rmtree(directory, ignore_errors=True)  # not left to the garbage collector
         raise
     finally:
         for end in (out_read, err_read, counts_read, *reports):
@@ -197,7 +233,9 @@ def launch(
     return Launched(pickle.loads(value_bytes), workers, in_memory, trained)
 
 
-def _check_arguments(workers: Any, engine: Any, resume: Any, rows_in_memory: Any) -> None:
+def _check_arguments(fn: Any, workers: Any, engine: Any, resume: Any, rows_in_memory: Any) -> None:
+    if not callable(fn):
+        raise TypeError(f"launch: fn must be a function to run on every worker, got {fn!r}")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"launch: workers must be an int of at least 1, got {workers!r}")
     if engine not in ENGINES:
@@ -217,15 +255,24 @@ def _check_arguments(workers: Any, engine: Any, resume: Any, rows_in_memory: Any
         )
 
 
+def _as_seconds(name: str, value: Any) -> float:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    check_number(name, seconds, positive=True)
+    return float(seconds)
+
+
 def _follow(
     started: list[BaseProcess],
     reports: list[Connection],
     out: Connection,
     err: Connection,
     counts: Connection,
+    limit: float | None,
 ) -> tuple[bytes, list[str]]:
     """Wait for every worker's report, passing worker 0's output and progress on;
-    worker 0's return value and the saved files, or raise on the first failure."""
+    worker 0's return value and the saved files, or raise on the first failure
+    or once ``limit`` seconds have passed."""
+    deadline = None if limit is None else time.monotonic() + limit
     waiting = {reports[rank]: rank for rank in range(len(reports))}
     sentinels = {process.sentinel: rank for rank, process in enumerate(started)}
     streams: dict[Any, IO[str]] = {out: sys.stdout, err: sys.stderr}
@@ -233,7 +280,14 @@ def _follow(
     drawn = [counts]  # until worker 0 closes it
     outcome: tuple[bytes, list[str]] | None = None
     try:
-        while waiting or streams:
+        while waiting:
+            if deadline is not None and time.monotonic() > deadline:
+                _drain(streams)
+                raise PyroDistributedError(
+                    f"the launch ran past its time_limit of {limit:g} s; every worker was "
+                    f"stopped (workers {sorted(set(waiting.values()))} of {len(started)} had "
+                    f"not finished)"
+                )
             ready = wait([*waiting, *streams, *drawn, *sentinels], timeout=1.0)
             for source in ready:
                 if source in streams:
@@ -244,9 +298,10 @@ def _follow(
                         drawn.clear()
                 elif source in waiting:
                     rank = waiting.pop(source)
-                    report = _receive(source, rank, started[rank])
+                    report = _receive(source, rank, started)
                     if report[0] == "error":
                         _drain(streams)
+                        _raise_if_one_died(started, waiting, rank)
                         raise PyroDistributedError(
                             f"worker {rank} of {len(started)} raised; every worker was "
                             f"stopped. Its traceback:\n{report[1]}"
@@ -261,20 +316,51 @@ def _follow(
                             f"worker {rank} of {len(started)} died without a word (exit "
                             f"code {started[rank].exitcode}); every worker was stopped"
                         )
+        # Every worker has reported, and worker 0 flushed its output before it
+        # did: what it wrote is in the pipes now. Read that much and no more, as
+        # a process it started may hold the pipes open for as long as it lives.
+        _drain(streams, wait_s=0.0)
+        while drawn and counts.poll() and _draw(counts, drawing):
+            pass
     finally:
         drawing.close()
     assert outcome is not None
     return outcome
 
 
-def _receive(source: Connection, rank: int, process: BaseProcess) -> tuple[Any, ...]:
+def _raise_if_one_died(
+    started: list[BaseProcess], waiting: dict[Connection, int], raised: int
+) -> None:
+    """When a worker raises because a peer vanished (a closed connection), the
+    peer's death is the cause to report: give the workers that have not
+    reported a moment to be seen dead, and name the first that is."""
+    deadline = time.monotonic() + DEATH_GRACE_S
+    for source, rank in waiting.items():
+        started[rank].join(max(0.0, deadline - time.monotonic()))
+        if started[rank].exitcode is not None and not _has_report(source):
+            raise PyroDistributedError(
+                f"worker {rank} of {len(started)} died without a word (exit code "
+                f"{started[rank].exitcode}), and worker {raised} raised after it; every "
+                f"worker was stopped"
+            )
+
+
+def _has_report(source: Connection) -> bool:
+    """Whether a worker that has ended sent its report before it did."""
+    try:
+        return source.poll() and source.recv() is not None
+    except EOFError:
+        return False
+
+
+def _receive(source: Connection, rank: int, started: list[BaseProcess]) -> tuple[Any, ...]:
     try:
         report: tuple[Any, ...] = source.recv()
     except EOFError:
-        process.join(1.0)
+        started[rank].join(1.0)
         raise PyroDistributedError(
-            f"worker {rank} died without a word (exit code {process.exitcode}); "
-            f"every worker was stopped"
+            f"worker {rank} of {len(started)} died without a word (exit code "
+            f"{started[rank].exitcode}); every worker was stopped"
         ) from None
     return report
 
@@ -292,10 +378,11 @@ def _forward(source: Connection, to: IO[str]) -> bool:
     return True
 
 
-def _drain(streams: dict[Any, IO[str]]) -> None:
-    """What worker 0 wrote before a failure, so that its last words are shown."""
+def _drain(streams: dict[Any, IO[str]], wait_s: float = 0.2) -> None:
+    """What worker 0 wrote, so that its last words are shown: each stream until
+    nothing more arrives within ``wait_s``."""
     for source, to in list(streams.items()):
-        while source.poll(0.2) and _forward(source, to):
+        while source.poll(wait_s) and _forward(source, to):
             pass
 
 

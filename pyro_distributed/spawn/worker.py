@@ -20,7 +20,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import pyro
+import torch
+
 from .. import runtime
+from ..errors import PyroDistributedError
 from . import processes, progress
 from .state import Collector, TrainedState
 
@@ -36,6 +40,11 @@ class Assignment:
     timeout: timedelta | None
     directory: Path
     resume: TrainedState | None
+    #: Intra-op threads (:func:`.processes.worker_threads`).
+    threads: int
+    #: The launching process's environment at the launch: a worker forked from
+    #: the forkserver would otherwise see the environment of the server's start.
+    environment: dict[str, str]
 
 
 def run(
@@ -49,8 +58,11 @@ def run(
 ) -> None:
     """The worker process's target."""
     processes.become_group_leader()
+    processes.die_with_the_launcher()
     _redirect_output(output)
     progress._channel = counts
+    os.environ.clear()
+    os.environ.update(assignment.environment)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(assignment.port),
@@ -58,17 +70,27 @@ def run(
         WORLD_SIZE=str(assignment.world_size),
         LOCAL_RANK=str(assignment.rank),
         LOCAL_WORLD_SIZE=str(assignment.world_size),
+        # For what the worker starts (a DataLoader's workers) and native code
+        # that reads it; torch's own pool is sized below.
+        OMP_NUM_THREADS=str(assignment.threads),
     )
+    torch.set_num_threads(assignment.threads)
     # A forked worker holds its parent's engine, if it ran one (a local one):
     # it is not this worker's.
     runtime.forget_inherited_engine()
     try:
         if pickled is not None:
-            fn, args = pickle.loads(pickled)
+            fn, args, store = pickle.loads(pickled)
+            pyro.get_param_store().set_state(store)
         assert fn is not None
-        runtime.init(assignment.engine, timeout=assignment.timeout)
+        engine = runtime.init(assignment.engine, timeout=assignment.timeout)
         collector = Collector(assignment.resume)
         value = fn(*args)
+        if runtime._engine is not engine:  # read without starting one
+            raise PyroDistributedError(
+                "the launched function shut down the workers' engine (pd.shutdown), so "
+                "what the workers trained cannot be gathered; leave the engine to the launch"
+            )
         saved = collector.save(assignment.directory)
         value_bytes = _pickled_value(value) if assignment.rank == 0 else None
         report: tuple[Any, ...] = ("ok", value_bytes, saved)

@@ -133,5 +133,5 @@ def test_what_cannot_work_is_refused_before_any_worker_starts(
         pd.launch(train, workers=2, start_method="thread")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(pd.PyroDistributedError, match="CUDA is already initialised"):
-        pd.launch(train, workers=2)
+        pd.launch(train, workers=2, start_method="fork")
     assert multiprocessing.active_children() == []

@@ -8,6 +8,7 @@ the real torchrun, bitwise.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -133,3 +134,75 @@ def test_a_workers_exception_and_an_interrupt_stop_every_worker(tmp_path: Path) 
     assert len(started) == 2
     left = [pid for pid in started if process_is_alive(pid)]
     assert left == [], subprocess.run(["ps", "-fp", *map(str, left)], capture_output=True).stdout
+
+
+def _docs_pattern(rows: int, steps: int) -> str:
+    """The notebooks page's pattern, at ``rows`` rows and ``steps`` steps a launch."""
+    return (
+        "import pyro\nimport pyro.distributions as dist\nimport torch\n"
+        "from pyro.infer import SVI, Trace_ELBO\nfrom pyro.infer.autoguide import AutoNormal\n"
+        "import pyro_distributed as pd\n"
+        f"x = torch.randn({rows}, 3, generator=torch.Generator().manual_seed(0))\n"
+        "y = x @ torch.tensor([2.0, -1.0, 0.5])\n"
+        "def model(x, y=None):\n"
+        "    w = pyro.sample('w', dist.Normal(0.0, 10.0).expand([3]).to_event(1))\n"
+        "    with pd.data_plate('data', x):\n"
+        "        pyro.sample('y', dist.Normal(x @ w, 0.3), obs=y)\n"
+        "guide = AutoNormal(model)\n"
+        "def train(num_steps, seed=None):\n"
+        "    if seed is not None:\n"
+        "        pd.set_rng_seed(seed)\n"
+        "    optim = pd.DistributedOptimizer(pyro.optim.Adam({'lr': 0.02}))\n"
+        "    svi = SVI(model, guide, optim, Trace_ELBO())\n"
+        "    for step in pd.progress(range(num_steps), desc='svi'):\n"
+        "        loss = svi.step(pd.shard(x), pd.shard(y))\n"
+        "    return loss, torch.get_num_threads()\n"
+        f"launched = pd.launch(train, {steps}, 0, workers=2, time_limit=120)\n"
+        "guide(x, y)\n"
+        "print('first', launched.value)\n"
+    )
+
+
+@pytest.mark.slow
+def test_a_kernel_that_has_computed_launches_twice_with_its_default_threads() -> None:
+    """GNU OpenMP's pool does not survive fork: a kernel that ran one parallel op
+    used to leave forked workers waiting forever in their first one."""
+    notebook = execute(
+        notebook_of(
+            "import os\nos.environ.pop('OMP_NUM_THREADS', None)  # the machine's default\n"
+            "import torch\ntorch.ones(2**22).mul_(2)\n"
+            "print('kernel threads', torch.get_num_threads())",
+            _docs_pattern(100_000, 20),
+            "second = pd.launch(train, 20, workers=2, resume=launched, time_limit=120)\n"
+            "print('second', second.value, guide.median()['w'].tolist())",
+            "def alone():\n"
+            "    torch.ones(2**22).mul_(2)\n"
+            "    return torch.get_num_threads()\n"
+            "print('alone', pd.launch(alone, workers=1, time_limit=120).value)",
+        ),
+        timeout=180,
+    )
+    kernel, first, second, alone = (output_of(cell) for cell in notebook.cells)
+    cores = len(os.sched_getaffinity(0))
+    assert f"kernel threads {cores}" in kernel, kernel
+    assert re.search(rf"first \(-?[\d.]+, {max(1, cores // 2)}\)", first), first
+    assert re.search(r"second \(-?[\d.]+, \d+\) \[", second), second
+    assert f"alone {cores}" in alone, alone  # one worker: every core
+
+
+@pytest.mark.slow
+def test_progress_in_a_kernel_is_one_widget_bar_that_the_workers_fill() -> None:
+    notebook = execute(notebook_of(_docs_pattern(1_000, 30)), timeout=180)
+    (cell,) = notebook.cells
+    assert "first (" in output_of(cell), output_of(cell)
+    views = [
+        output
+        for output in cell.outputs
+        if "application/vnd.jupyter.widget-view+json" in output.get("data", {})
+    ]
+    assert len(views) == 1, cell.outputs
+    state = notebook.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    bars = [
+        model["state"] for model in state.values() if model["model_name"] == "FloatProgressModel"
+    ]
+    assert [(bar["value"], bar["max"]) for bar in bars] == [(30, 30)]

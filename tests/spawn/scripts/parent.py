@@ -1,0 +1,44 @@
+"""A launching process for tests/spawn/test_orphans.py: it launches workers that
+record their pids and sleep, so that the test can end this process by a signal.
+
+    python tests/spawn/scripts/parent.py WHERE START_METHOD [dist]
+
+With ``dist``, this process first joins a torch.distributed group of its own
+(as after a Lightning fit in a kernel), and the launch's answer is printed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import pyro_distributed as pd
+from pyro_distributed.spawn.processes import free_port
+from tests.spawn.scripts.accidents import record, returns_rank_and_threads
+
+
+def sleep_forever(where: str) -> None:
+    record(where)
+    while True:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    where, method = sys.argv[1], sys.argv[2]
+    torch.ones(2**22).mul_(2)  # a parallel op, as a kernel has run
+    if sys.argv[3:] == ["dist"]:
+        import torch.distributed as dist
+
+        port = free_port()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.barrier()
+        try:
+            launched = pd.launch(returns_rank_and_threads, where, workers=2, start_method=method)
+            print("launched", launched.value, flush=True)
+        except pd.PyroDistributedError as error:
+            print("refused", error, flush=True)
+        dist.destroy_process_group()
+    else:
+        pd.launch(sleep_forever, where, workers=2, start_method=method)
