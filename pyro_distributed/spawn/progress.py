@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Sized
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
+from ..checks import check_int
 from ..runtime import is_main
 
 T = TypeVar("T")
@@ -39,8 +40,18 @@ def progress(iterable: Iterable[T], *, total: int | None = None, desc: str = "")
         for step in pd.progress(range(1000), desc="svi"):
             svi.step(data)
     """
+    if not isinstance(iterable, Iterable):
+        raise TypeError(f"progress: iterable must be iterable, got {iterable!r}")
+    check_int("progress: total", total, minimum=0, optional=True)
+    if not isinstance(desc, str):
+        raise TypeError(f"progress: desc must be a str, got {desc!r}")
     if total is None and isinstance(iterable, Sized):
         total = len(iterable)
+    # Checked above, at the call: the loop below runs at the first step.
+    return _iterate(iterable, total, desc)
+
+
+def _iterate(iterable: Iterable[T], total: int | None, desc: str) -> Iterator[T]:
     if _channel is not None:
         yield from _reported(iterable, total, desc, _channel)
     elif is_main():
