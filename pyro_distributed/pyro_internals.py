@@ -135,3 +135,32 @@ def stand_in_optimizer(pyro_optim: PyroOptim, name: str, tensor: Tensor) -> Any:
         return pyro_optim._get_optim(tensor)
     finally:
         named.pop(tensor, None)
+
+
+def reduce_autoguide(obj: Any) -> tuple[Any, ...] | None:
+    """A pickle reduction of an ``AutoGuide`` that keeps its model and leaves
+    the guide as it was; ``None`` for anything else.
+
+    ``AutoGuide.__getstate__`` drops the model (it sets ``_model`` and
+    ``master`` to ``None`` on the live guide, then copies its state), so a
+    guide made in a kernel would reach a launch's workers without its model,
+    and the kernel's own guide would lose it too. This copies the state
+    instead, with the model, and rebuilds through ``AutoGuide.__setstate__``,
+    which links nested guides (an ``AutoGuideList``'s) to their new parent.
+    """
+    from pyro.infer.autoguide import AutoGuide
+
+    if not isinstance(obj, AutoGuide):
+        return None
+    # What PyroModule.__getstate__ does too: a parameter's weak reference to
+    # itself (an unconstrained one's), which Pyro sets again at the next read.
+    for parameter in obj.parameters():
+        parameter.__dict__.pop("unconstrained", None)
+    state = {**obj.__dict__, "master": None}  # a weak reference, relinked by __setstate__
+    return _restore_autoguide, (type(obj), state)
+
+
+def _restore_autoguide(cls: Any, state: dict[str, Any]) -> Any:
+    guide = cls.__new__(cls)
+    guide.__setstate__(state)
+    return guide

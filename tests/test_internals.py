@@ -7,6 +7,7 @@ reader knows at once which release broke it.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -232,3 +233,45 @@ def test_unflatten_dense_gives_views_shaped_like_each_tensor_and_ignores_the_res
         assert [v.tolist() for v in views] == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], 6.0, [7.0, 8.0]]
         flat[7] = -1.0
         assert views[2][0] == -1.0, "a view, not a copy"
+
+
+def _two_site_model(x: torch.Tensor) -> None:
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    b = pyro.sample("b", dist.Normal(0.0, 1.0))
+    pyro.sample("y", dist.Normal(x @ w + b, 1.0), obs=torch.zeros(len(x)))
+
+
+def test_reduce_autoguide_keeps_the_model_in_the_copy_and_in_the_original() -> (
+    None
+):
+    """Pyro's own AutoGuide pickling sets the live guide's model to None."""
+    import io
+
+    import cloudpickle
+    from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoGuideList, AutoNormal
+
+    pyro.clear_param_store()
+    x = torch.randn(5, 3)
+    called = AutoNormal(_two_site_model)
+    called(x)
+    parts = AutoGuideList(_two_site_model)
+    parts.append(AutoDiagonalNormal(pyro.poutine.block(_two_site_model, hide=["b"])))
+    parts.append(AutoDelta(pyro.poutine.block(_two_site_model, expose=["b"])))
+    parts(x)
+    fresh = AutoNormal(_two_site_model)
+
+    class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+        def reducer_override(self, obj: object) -> object:
+            reduced = pyro_internals.reduce_autoguide(obj)
+            return reduced if reduced is not None else super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    Pickler(buffer).dump((called, parts, fresh))
+    assert called._model is not None and parts[0].master() is parts  # left as they were
+    copies = pickle.loads(buffer.getvalue())
+    for copy in copies:
+        assert set(copy(x)) == {"w", "b"}  # each still has its model
+    assert copies[1][0].master() is copies[1]
+    assert torch.equal(copies[0].locs.w, called.locs.w)
+    with pytest.raises(TypeError):  # what Pyro's own pickling does to a guide
+        pickle.loads(pickle.dumps(fresh))(x)

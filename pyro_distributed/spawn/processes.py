@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import multiprocessing
 import os
 import signal
@@ -48,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PyroDistributedError
+from ..pyro_internals import reduce_autoguide
 
 #: How long a worker has to exit on SIGTERM before it is killed.
 STOP_GRACE_S = 3.0
@@ -113,11 +115,10 @@ def portable(fn: Callable[..., Any], args: tuple[Any, ...], method: str) -> byte
     nothing). One pickle, so that a module and the store keep sharing tensors."""
     if method == "fork":
         return None
-    import cloudpickle  # type: ignore[import-untyped, import-not-found, unused-ignore]
-
     store = pyro.get_param_store().get_state()
+    buffer = io.BytesIO()
     try:
-        dumped: bytes = cloudpickle.dumps((fn, args, store))
+        _pickler(buffer).dump((fn, args, store))
     except Exception as exc:
         raise TypeError(
             f"start_method={method!r} sends the function, its arguments and the param "
@@ -125,7 +126,20 @@ def portable(fn: Callable[..., Any], args: tuple[Any, ...], method: str) -> byte
             f"{exc}); pass what the function needs as plain data, or build it inside "
             f"the function"
         ) from exc
-    return dumped
+    return buffer.getvalue()
+
+
+def _pickler(buffer: io.BytesIO) -> Any:
+    """cloudpickle's pickler (functions and classes of a notebook by value),
+    which also keeps an AutoGuide's model (:func:`.pyro_internals.reduce_autoguide`)."""
+    import cloudpickle  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+    class Pickler(cloudpickle.Pickler):  # type: ignore[misc, unused-ignore]
+        def reducer_override(self, obj: Any) -> Any:
+            reduced = reduce_autoguide(obj)
+            return reduced if reduced is not None else super().reducer_override(obj)
+
+    return Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL)
 
 
 def worker_threads(method: str, world_size: int) -> int:
