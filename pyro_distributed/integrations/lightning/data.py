@@ -84,8 +84,8 @@ class IndexedDataset(Dataset[tuple[Any, ...]]):
     def __init__(self, dataset: Dataset[Any]) -> None:
         if not isinstance(dataset, Sized):
             raise TypeError(
-                f"IndexedDataset needs a map-style data set with a length, "
-                f"got {type(dataset).__name__}"
+                f"IndexedDataset: dataset must be a map-style data set with a length, "
+                f"got {dataset!r}"
             )
         self.dataset = dataset
 

@@ -52,7 +52,7 @@ from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 
 from ... import runtime
-from ...checks import check_bool
+from ...checks import check_bool, check_int
 from ...data.subsample import shard_subsamples
 from ...engines import Engine, check_engine_name, engine_class
 from ...errors import PyroDistributedError
@@ -200,8 +200,8 @@ class PyroDistributedStrategy(DDPStrategy):
         self.local_updates = check_local_updates(
             local_updates, own_local_params, "PyroDistributedStrategy"
         )
-        if shuffle is not None:
-            check_bool("shuffle", shuffle)
+        check_bool("shuffle", shuffle, optional=True)
+        check_int("seed", seed)
         options = check_optimizer_options(optimizer_options, "PyroDistributedStrategy")
         super().__init__(
             accelerator=accelerator,

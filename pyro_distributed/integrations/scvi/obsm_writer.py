@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from ... import runtime
+from ...checks import check_path
 from ...errors import PyroDistributedError
 from ...gather import stream_pieces
 
@@ -89,6 +90,11 @@ def write_owned_obsm(
             obs_names=model.adata.obs_names,
         )
     """
+    check_path("path", path)
+    if not isinstance(blocks, Mapping):
+        raise TypeError(
+            f"write_owned_obsm: blocks must be a mapping of names to rows, got {blocks!r}"
+        )
     engine = runtime.current_engine()
     # cpu: the blocks arrive as host arrays and travel from host memory.
     pieces = {

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
 
 from ... import runtime
+from ...checks import check_choice
 from ...data.subsample import shard_subsamples
 from ...gather import gather_pieces
 from ...partition import block_range
@@ -71,6 +72,7 @@ def owned_posterior(model: Any, *, to: SummariesTo = "all") -> Iterator[Any]:
             summaries = model.sample_posterior(num_samples=100)
         summaries["means"]["w_sf"].shape         # (every spot, cell types)
     """
+    check_choice("to", to, get_args(SummariesTo))
     engine = runtime.current_engine()
     n_obs = int(model.adata.n_obs)
     block = np.arange(block_range(n_obs).start, block_range(n_obs).stop)

@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from ...checks import check_path
+
 __all__ = ["RowsOnDisk", "read_h5ad_by_rows"]
 
 # Rows per block when a sum streams over the matrix: a few MB of counts at
@@ -82,6 +84,9 @@ class RowsOnDisk:
     backend = "hdf5"
 
     def __init__(self, path: str | Path, key: str = "X") -> None:
+        check_path("path", path)
+        if not isinstance(key, str):
+            raise TypeError(f"RowsOnDisk: key must be a str, got {key!r}")
         h5py = importlib.import_module("h5py")
         # What scvi-tools and anndata take as a backed sparse matrix.
         importlib.import_module("anndata.abc").CSRDataset.register(RowsOnDisk)
@@ -220,6 +225,7 @@ def read_h5ad_by_rows(path: str | Path) -> Any:
         adata = read_h5ad_by_rows("visium_hd.h5ad")
         adata.X[:10]            # the first ten spots' counts, read now
     """
+    check_path("path", path)
     anndata = importlib.import_module("anndata")
     h5py = importlib.import_module("h5py")
     read_elem: Any = importlib.import_module("anndata.io").read_elem
