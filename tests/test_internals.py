@@ -241,9 +241,7 @@ def _two_site_model(x: torch.Tensor) -> None:
     pyro.sample("y", dist.Normal(x @ w + b, 1.0), obs=torch.zeros(len(x)))
 
 
-def test_reduce_autoguide_keeps_the_model_in_the_copy_and_in_the_original() -> (
-    None
-):
+def test_reduce_autoguide_keeps_the_model_in_the_copy_and_in_the_original() -> None:
     """Pyro's own AutoGuide pickling sets the live guide's model to None."""
     import io
 
