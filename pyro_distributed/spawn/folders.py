@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..atomic_write import host_id
 from ..engines.base import process_is_alive
 
 #: The prefix of a launch's folder in the temporary directory.
@@ -39,11 +40,13 @@ def remove_orphans() -> list[Path]:
     removed = []
     for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
         try:
-            pid_text, _, started = (folder / OWNER).read_text().partition(" ")
+            pid_text, started, host = (folder / OWNER).read_text().split(" ")
             pid = int(pid_text)
         except (OSError, ValueError):
             continue  # not ours to judge: being made now, or written by someone else
-        if not process_is_alive(pid) or _identity(pid) != f"{pid} {started}":
+        if host != host_id():
+            continue  # its pid names a process elsewhere
+        if not process_is_alive(pid) or _identity(pid) != f"{pid} {started} {host}":
             with contextlib.suppress(OSError):
                 shutil.rmtree(folder)
                 removed.append(folder)
@@ -51,11 +54,11 @@ def remove_orphans() -> list[Path]:
 
 
 def _identity(pid: int) -> str:
-    """``pid`` and when it started (in clock ticks since boot, from /proc where
-    there is one), so that a reused pid is not taken for the owner."""
+    """``pid``, when it started (in clock ticks since boot, from /proc where
+    there is one), so that a reused pid is not taken for the owner, and where."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             started = stat.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         started = "?"
-    return f"{pid} {started}"
+    return f"{pid} {started} {host_id()}"

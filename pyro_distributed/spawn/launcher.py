@@ -36,6 +36,11 @@ ENGINES = ("torch",)
 #: How long a failure waits to see whether a worker that has not reported died,
 #: which then is the failure reported.
 DEATH_GRACE_S = 0.5
+#: The longest a launch reads what worker 0 wrote once it is over (or failed).
+DRAIN_S = 0.5
+#: What the last line of a worker's error says when it raised because a peer
+#: was lost: the engine's own words and gloo's.
+LOST_PEER = ("has exited", "Connection closed by peer", "Connection reset by peer")
 
 
 @dataclass
@@ -113,7 +118,8 @@ def launch(
     :param timeout: the engine's time-out (:func:`pyro_distributed.init`):
         bounds each collective, so a worker that stops taking part makes the
         others raise after it. It does not bound work outside collectives.
-    :param time_limit: a bound on the whole launch, in seconds or a
+    :param time_limit: a bound on the workers' run (from their start to their
+        last report), in seconds or a
         ``timedelta``: past it every worker is stopped and
         :class:`~pyro_distributed.PyroDistributedError` is raised. ``None``:
         no bound (an interrupt still stops every worker).
@@ -199,23 +205,31 @@ def launch(
                 environment,
             )
             first = rank == 0
+            # The pickled function goes down a pipe of its own, not with the
+            # process's arguments, which a worker would hold for its whole life.
+            payload_read, payload_write = context.Pipe(duplex=False)
             process = context.Process(  # type: ignore[attr-defined]
                 target=worker.run,
                 args=(
                     assignment,
                     fn if pickled is None else None,
                     args if pickled is None else (),
-                    pickled,
+                    payload_read if pickled is not None else None,
                     report_write,
                     (out_write, err_write) if first else None,
                     counts_write if first else None,
                 ),
                 name=f"pyro-distributed-worker-{rank}",
             )
-            process.start()
-            report_write.close()
+            started.append(process)  # before it starts: an interrupt may come at any moment
             reports.append(report_read)
-            started.append(process)
+            process.start()
+            for end in (report_write, payload_read):
+                end.close()
+            with payload_write:
+                if pickled is not None:
+                    _send(payload_write, pickled, rank, started)
+        del pickled  # sent: as large as what the function refers to
         for end in (out_write, err_write, counts_write):
             end.close()
         value_bytes, saved = _follow(started, reports, out_read, err_read, counts_read, limit)
@@ -301,11 +315,7 @@ def _follow(
                     report = _receive(source, rank, started)
                     if report[0] == "error":
                         _drain(streams)
-                        _raise_if_one_died(started, waiting, rank)
-                        raise PyroDistributedError(
-                            f"worker {rank} of {len(started)} raised; every worker was "
-                            f"stopped. Its traceback:\n{report[1]}"
-                        )
+                        _raise_if_one_died(started, waiting, rank, report[1])
                     if rank == 0:
                         outcome = (report[1], report[2])
                 elif source in sentinels:
@@ -315,6 +325,7 @@ def _follow(
                         raise PyroDistributedError(
                             f"worker {rank} of {len(started)} died without a word (exit "
                             f"code {started[rank].exitcode}); every worker was stopped"
+                            f"{_guard_hint()}"
                         )
         # Every worker has reported, and worker 0 flushed its output before it
         # did: what it wrote is in the pipes now. Read that much and no more, as
@@ -329,28 +340,63 @@ def _follow(
 
 
 def _raise_if_one_died(
-    started: list[BaseProcess], waiting: dict[Connection, int], raised: int
+    started: list[BaseProcess], waiting: dict[Connection, int], raised: int, report: str
 ) -> None:
-    """When a worker raises because a peer vanished (a closed connection), the
-    peer's death is the cause to report: give the workers that have not
-    reported a moment to be seen dead, and name the first that is."""
+    """Raise the failure to report, once a worker has raised ``report``.
+
+    A worker often raises because a peer vanished or failed first (a closed
+    connection, a peer that "has exited"): that peer's failure is the cause.
+    So the workers that have not reported get a moment: one that died without
+    a word is named; else the first error that is not about a lost peer."""
+    errors = {raised: report}
     deadline = time.monotonic() + DEATH_GRACE_S
     for source, rank in waiting.items():
         started[rank].join(max(0.0, deadline - time.monotonic()))
-        if started[rank].exitcode is not None and not _has_report(source):
+        try:
+            if not source.poll():
+                continue
+            answer = source.recv()
+        except EOFError:
             raise PyroDistributedError(
                 f"worker {rank} of {len(started)} died without a word (exit code "
                 f"{started[rank].exitcode}), and worker {raised} raised after it; every "
-                f"worker was stopped"
-            )
+                f"worker was stopped{_guard_hint()}"
+            ) from None
+        if answer[0] == "error":
+            errors[rank] = answer[1]
+    cause = next((rank for rank, text in errors.items() if not _about_a_lost_peer(text)), raised)
+    raise PyroDistributedError(
+        f"worker {cause} of {len(started)} raised; every worker was stopped. Its "
+        f"traceback:\n{errors[cause]}"
+    )
 
 
-def _has_report(source: Connection) -> bool:
-    """Whether a worker that has ended sent its report before it did."""
+def _about_a_lost_peer(traceback: str) -> bool:
+    last = traceback.strip().splitlines()[-1] if traceback.strip() else ""
+    return any(sign in last for sign in LOST_PEER)
+
+
+def _guard_hint() -> str:
+    """For a worker that died before it ran anything: the most common cause."""
+    main = sys.modules.get("__main__")
+    if main is not None and getattr(main, "__file__", None):
+        return (
+            "; if it died at its start, check that the script that launched it keeps "
+            'its own code under `if __name__ == "__main__":`, which forkserver and '
+            "spawn workers need"
+        )
+    return ""
+
+
+def _send(to: Connection, payload: bytes, rank: int, started: list[BaseProcess]) -> None:
     try:
-        return source.poll() and source.recv() is not None
-    except EOFError:
-        return False
+        to.send_bytes(payload)
+    except (BrokenPipeError, ConnectionResetError):
+        started[rank].join(1.0)
+        raise PyroDistributedError(
+            f"worker {rank} of {len(started)} died before it received its function "
+            f"(exit code {started[rank].exitcode}){_guard_hint()}"
+        ) from None
 
 
 def _receive(source: Connection, rank: int, started: list[BaseProcess]) -> tuple[Any, ...]:
@@ -360,7 +406,7 @@ def _receive(source: Connection, rank: int, started: list[BaseProcess]) -> tuple
         started[rank].join(1.0)
         raise PyroDistributedError(
             f"worker {rank} of {len(started)} died without a word (exit code "
-            f"{started[rank].exitcode}); every worker was stopped"
+            f"{started[rank].exitcode}); every worker was stopped{_guard_hint()}"
         ) from None
     return report
 
@@ -380,9 +426,15 @@ def _forward(source: Connection, to: IO[str]) -> bool:
 
 def _drain(streams: dict[Any, IO[str]], wait_s: float = 0.2) -> None:
     """What worker 0 wrote, so that its last words are shown: each stream until
-    nothing more arrives within ``wait_s``."""
+    nothing more arrives within ``wait_s``, and for :data:`DRAIN_S` at most, as
+    a worker (or a process it started) may go on writing for ever."""
+    deadline = time.monotonic() + DRAIN_S
     for source, to in list(streams.items()):
-        while source.poll(wait_s) and _forward(source, to):
+        while (
+            time.monotonic() < deadline
+            and source.poll(min(wait_s, max(0.0, deadline - time.monotonic())))
+            and _forward(source, to)
+        ):
             pass
 
 

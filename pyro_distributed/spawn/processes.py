@@ -44,12 +44,13 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-import pyro
 import torch
 import torch.distributed as dist
 
+from ..engines.launchers import declared_world_size
 from ..errors import PyroDistributedError
 from ..pyro_internals import reduce_autoguide
+from .carried import Carried
 
 #: How long a worker has to exit on SIGTERM before it is killed.
 STOP_GRACE_S = 3.0
@@ -84,12 +85,16 @@ def _refuse_a_worker() -> None:
     """A launch inside one worker of many would train a second, separate run
     while the other workers wait for this one in their next collective."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise PyroDistributedError(
-            f"pd.launch was called in worker {dist.get_rank()} of {dist.get_world_size()} "
-            f"of a running torch.distributed group (a launched worker, or a script under "
-            f"torchrun). Launch once, from the kernel or a plain process, with as many "
-            f"workers as the run needs"
-        )
+        within = f"worker {dist.get_rank()} of {dist.get_world_size()} of a running group"
+    elif (declared := declared_world_size()) is not None and declared.world_size > 1:
+        within = f"one of {declared.world_size} workers of {declared.launcher}"
+    else:
+        return
+    raise PyroDistributedError(
+        f"pd.launch was called in {within} (a launched worker, or a script under a "
+        f"launcher), where it would start a separate run in each worker. Launch once, "
+        f"from the kernel or a plain process, with as many workers as the run needs"
+    )
 
 
 def _refuse_what_fork_cannot_carry() -> None:
@@ -111,14 +116,14 @@ def _refuse_what_fork_cannot_carry() -> None:
 
 def portable(fn: Callable[..., Any], args: tuple[Any, ...], method: str) -> bytes | None:
     """What a worker that is not a fork of this process needs, pickled: ``fn``,
-    ``args`` and the param store's state (``None`` for fork, which needs
-    nothing). One pickle, so that a module and the store keep sharing tensors."""
+    ``args`` and this interpreter's state (:class:`.carried.Carried`; ``None``
+    for fork, which needs nothing). One pickle, so that a module and the store
+    keep sharing tensors."""
     if method == "fork":
         return None
-    store = pyro.get_param_store().get_state()
     buffer = io.BytesIO()
     try:
-        _pickler(buffer).dump((fn, args, store))
+        _pickler(buffer).dump((fn, args, Carried.capture()))
     except Exception as exc:
         raise TypeError(
             f"start_method={method!r} sends the function, its arguments and the param "
@@ -225,10 +230,14 @@ def die_with_the_launcher() -> None:
     Two guards. multiprocessing's parent sentinel, a pipe whose other end only
     the launching process holds, reaches end-of-file when it dies: a watching
     thread then kills the group (what the worker started included). And on
-    Linux the kernel itself kills the worker when its parent dies
-    (``PR_SET_PDEATHSIG``), which needs no thread to get the GIL; under
-    forkserver the parent is the server, which exits with the launching process.
+    Linux the operating system kills the worker when its parent dies
+    (``PR_SET_PDEATHSIG``), which needs no thread to get the GIL (a worker
+    stuck in C code, or stopped): under forkserver the parent is the server,
+    which exits when the launching process does, once no worker holds the
+    server's lifeline (:func:`_let_the_forkserver_go`). That second guard
+    kills the worker alone; what it started goes with the first.
     """
+    _let_the_forkserver_go()
     parent = multiprocessing.parent_process()
     if parent is not None and parent.sentinel is not None:
         sentinel = parent.sentinel
@@ -245,6 +254,23 @@ def die_with_the_launcher() -> None:
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != parent_pid:  # it died before the request took hold
                 _kill_group()
+
+
+def _let_the_forkserver_go() -> None:
+    """A worker forked by the forkserver holds a copy of the server's lifeline
+    (the pipe whose end-of-file tells the server that its launching process
+    has gone): close it, so that the server exits with that process, and the
+    operating system then ends this worker too."""
+    from multiprocessing import forkserver
+
+    # multiprocessing's own names: no public call lets a child go of it. A
+    # worker forked from a kernel that ran a forkserver holds the kernel's end.
+    server = forkserver._forkserver
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+        server._forkserver_alive_fd = None  # type: ignore[attr-defined]
 
 
 def _kill_group_when_ready(sentinel: int) -> None:

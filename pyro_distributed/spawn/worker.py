@@ -20,7 +20,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import pyro
 import torch
 
 from .. import runtime
@@ -51,7 +50,7 @@ def run(
     assignment: Assignment,
     fn: Callable[..., Any] | None,
     args: tuple[Any, ...],
-    pickled: bytes | None,
+    payload: Connection | None,
     results: Connection,
     output: tuple[Connection, Connection] | None,
     counts: Connection | None,
@@ -79,9 +78,12 @@ def run(
     # it is not this worker's.
     runtime.forget_inherited_engine()
     try:
-        if pickled is not None:
-            fn, args, store = pickle.loads(pickled)
-            pyro.get_param_store().set_state(store)
+        if payload is not None:  # not forked: the function and the kernel's state
+            with payload:
+                pickled = payload.recv_bytes()
+            fn, args, carried = pickle.loads(pickled)
+            del pickled  # as large as what the function refers to
+            carried.apply()
         assert fn is not None
         engine = runtime.init(assignment.engine, timeout=assignment.timeout)
         collector = Collector(assignment.resume)

@@ -55,6 +55,43 @@ class Case:
     #: Run in a thread of this process once the workers have recorded their pids.
     meanwhile: Callable[[list[int]], None] | None = None
     environment: dict[str, str | None] = field(default_factory=dict)
+    #: Run in this process before the launch, undone after it (returns the undo).
+    setup: Callable[[], Callable[[], None]] | None = None
+
+
+def _closure_over(tensor: torch.Tensor) -> Callable[[str], torch.Tensor]:
+    """A function no worker can import: it travels by value, with what it holds."""
+
+    def doubled(where: str) -> torch.Tensor:
+        a.record(where)
+        return tensor * 2
+
+    return doubled
+
+
+def _set_the_interpreter() -> Callable[[], None]:
+    """Set here what a kernel may set at its top."""
+    dtype = torch.get_default_dtype()
+    settings = pyro.settings.get()
+    torch.set_default_dtype(torch.float64)
+    pyro.settings.set(module_local_params=True, validate_infer=False)
+    torch.manual_seed(123)
+
+    def undo() -> None:
+        torch.set_default_dtype(dtype)
+        pyro.settings.set(**settings)
+
+    return undo
+
+
+def _interpreter_here() -> dict[str, Any]:
+    torch.manual_seed(123)
+    return {
+        "dtype": torch.float64,
+        "draw": float(torch.rand((), dtype=torch.float64)),
+        "module_local_params": True,
+        "validation": False,
+    }
 
 
 def _signal_one_worker(signum: int) -> Callable[[list[int]], None]:
@@ -69,6 +106,10 @@ def _interrupt_this_process(pids: list[int]) -> None:
 
 
 DIED = r"worker \d of 2 died without a word"
+#: The machine's default threads (tests/conftest.py sets one for the session),
+#: and each of two workers' share of the cores.
+DEFAULT_THREADS: dict[str, str | None] = {"OMP_NUM_THREADS": None}
+SHARE = max(1, len(os.sched_getaffinity(0)) // 2)
 RAISED = r"worker \d of 2 raised; every worker was stopped"
 CASES: dict[str, Case] = {
     # What comes back.
@@ -183,6 +224,13 @@ CASES: dict[str, Case] = {
         {"time_limit": __import__("datetime").timedelta(seconds=1.5)},
         bound=15,
     ),
+    "worker 0 prints past the time_limit": Case(
+        a.prints_for,
+        (30,),
+        _error(pd.PyroDistributedError, r"time_limit of 2 s"),
+        {"time_limit": 2},
+        bound=10,
+    ),
     "a time_limit that is not reached": Case(
         a.sleeps, (0.5,), _ok(lambda v: v == 0), {"time_limit": 60}
     ),
@@ -240,14 +288,30 @@ CASES: dict[str, Case] = {
     # Output.
     "worker 0 prints 20,000 lines": Case(a.prints_a_lot, (20_000,), _ok(lambda v: v == 20_000)),
     # Start methods and threads.
+    "the interpreter's settings travel": Case(
+        a.reads_the_interpreter,
+        (),
+        _ok(lambda v: v == _interpreter_here()),
+        setup=_set_the_interpreter,
+    ),
+    "a closure over a tensor travels by value": Case(
+        _closure_over(torch.arange(4.0)), (), _ok(lambda v: torch.equal(v, torch.arange(4.0) * 2))
+    ),
     "after a parallel op here, forkserver": Case(
-        a.returns_rank_and_threads, (), _ok(lambda v: v[:2] == (0, 2))
+        a.returns_rank_and_threads,
+        (),
+        _ok(lambda v: v == (0, 2, SHARE)),
+        environment=DEFAULT_THREADS,
     ),
     "after a parallel op here, fork": Case(
         a.returns_rank_and_threads, (), _ok(lambda v: v == (0, 2, 1)), {"start_method": "fork"}
     ),
     "after a parallel op here, spawn": Case(
-        a.returns_rank_and_threads, (), _ok(lambda v: v[:2] == (0, 2)), {"start_method": "spawn"}
+        a.returns_rank_and_threads,
+        (),
+        _ok(lambda v: v == (0, 2, SHARE)),
+        {"start_method": "spawn"},
+        environment=DEFAULT_THREADS,
     ),
     "one worker gets every core": Case(
         a.returns_rank_and_threads,
@@ -266,11 +330,24 @@ CASES: dict[str, Case] = {
         environment={"OMP_NUM_THREADS": "2"},
     ),
     # The environment.
-    "launcher variables already set": Case(
+    "MASTER_ADDR and MASTER_PORT already set": Case(
         a.reads_the_environment,
         (["RANK", "WORLD_SIZE", "MASTER_ADDR"],),
         _ok(lambda v: v == {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}),
-        environment={"RANK": "5", "WORLD_SIZE": "9", "MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "1"},
+        environment={"MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "1"},
+    ),
+    "a worker of torchrun launches": Case(
+        a.returns,
+        (1,),
+        _error(pd.PyroDistributedError, r"pd.launch was called in one of 9 workers of torchrun"),
+        environment={
+            "RANK": "5",
+            "LOCAL_RANK": "5",
+            "WORLD_SIZE": "9",
+            "LOCAL_WORLD_SIZE": "9",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "1",
+        },
     ),
     "a variable set after the first launch": Case(
         a.reads_the_environment,
@@ -358,6 +435,7 @@ def test_a_launch_ends_in_bound_with_its_answer_and_leaves_nothing(
     fn = options.pop("fn", case.fn)
     options.setdefault("workers", 2)
     workers = options["workers"] if isinstance(options["workers"], int) else 0
+    undo = case.setup() if case.setup is not None else None
     watcher = None
     if case.meanwhile is not None:
         watcher = threading.Thread(target=_when_recorded, args=(tmp_path, workers, case.meanwhile))
@@ -369,6 +447,8 @@ def test_a_launch_ends_in_bound_with_its_answer_and_leaves_nothing(
     except BaseException as exc:  # KeyboardInterrupt included: it is one of the answers
         outcome = (type(exc), str(exc))
     took = time.monotonic() - began
+    if undo is not None:
+        undo()
     if watcher is not None:
         watcher.join()
     gc.collect()

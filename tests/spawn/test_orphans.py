@@ -12,12 +12,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from jupyter_client.manager import start_new_kernel
 
 import pyro_distributed as pd
+from pyro_distributed.atomic_write import host_id
 from pyro_distributed.engines.base import process_is_alive
 from pyro_distributed.spawn import folders
 
@@ -27,11 +29,24 @@ from .scripts import accidents
 PARENT = ROOT / "tests" / "spawn" / "scripts" / "parent.py"
 
 
+@pytest.fixture(autouse=True)
+def _own_temporary_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Launch folders of their own, here and in the launching processes started
+    here: a launch in another test removes a dead launcher's folder too."""
+    folder = tmp_path_factory.mktemp("launch-folders")
+    before = tempfile.tempdir
+    tempfile.tempdir = str(folder)
+    os.environ["TMPDIR"] = str(folder)
+    yield folder
+    tempfile.tempdir = before
+    del os.environ["TMPDIR"]
+
+
 def _start_parent(where: Path, method: str, *extra: str) -> subprocess.Popen[str]:
     """The launching process; its output is read only where the test asks (``dist``)."""
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
     environment.pop("OMP_NUM_THREADS", None)  # the machine's default threads
-    output = subprocess.PIPE if extra else subprocess.DEVNULL
+    output = subprocess.PIPE if "dist" in extra else subprocess.DEVNULL
     return subprocess.Popen(
         [sys.executable, str(PARENT), str(where), method, *extra],
         cwd=ROOT, env=environment, stdout=output, stderr=subprocess.STDOUT, text=True,
@@ -55,10 +70,15 @@ def _gone_within(pids: list[int], seconds: float) -> list[int]:
     return [pid for pid in pids if process_is_alive(pid)]
 
 
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as children:
+        return [int(child) for child in children.read().split()]
+
+
 def _folders_of(pid: int) -> list[Path]:
     return [
         folder
-        for folder in Path(os.environ.get("TMPDIR", "/tmp")).glob(f"{folders.PREFIX}*")
+        for folder in Path(tempfile.gettempdir()).glob(f"{folders.PREFIX}*")
         if (folder / folders.OWNER).is_file()
         and (folder / folders.OWNER).read_text().startswith(f"{pid} ")
     ]
@@ -66,26 +86,31 @@ def _folders_of(pid: int) -> list[Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("signum", "method"),
+    ("signum", "method", "work"),
     [
-        (signal.SIGKILL, "forkserver"),
-        (signal.SIGTERM, "forkserver"),
-        (signal.SIGHUP, "forkserver"),
-        (signal.SIGKILL, "spawn"),
-        (signal.SIGKILL, "fork"),
+        (signal.SIGKILL, "forkserver", "sleep"),
+        (signal.SIGTERM, "forkserver", "sleep"),
+        (signal.SIGHUP, "forkserver", "sleep"),
+        (signal.SIGKILL, "forkserver", "gil"),
+        (signal.SIGKILL, "spawn", "sleep"),
+        (signal.SIGKILL, "fork", "sleep"),
+        (signal.SIGKILL, "fork", "gil"),
     ],
 )
 def test_workers_die_with_their_parent_and_the_next_launch_removes_its_folder(
-    signum: int, method: str, tmp_path: Path
+    signum: int, method: str, work: str, tmp_path: Path
 ) -> None:
-    parent = _start_parent(tmp_path, method)
+    where = tmp_path / "pids"
+    where.mkdir()
+    parent = _start_parent(where, method, *(["gil"] if work == "gil" else []))
     try:
-        workers = _recorded(tmp_path, 2)
+        workers = _recorded(where, 2)
+        helpers = [pid for pid in _children(parent.pid) if pid not in workers]  # forkserver
         assert len(_folders_of(parent.pid)) == 1
         os.kill(parent.pid, signum)
         parent.wait(10)
-        assert _gone_within(workers, 5) == [], subprocess.run(
-            ["ps", "-o", "pid,ppid,pgid,cmd", "-p", ",".join(map(str, workers))],
+        assert _gone_within([*workers, *helpers], 5) == [], subprocess.run(
+            ["ps", "-o", "pid,ppid,pgid,stat,cmd", "-p", ",".join(map(str, workers + helpers))],
             capture_output=True, text=True, check=False,
         ).stdout  # fmt: skip
     finally:
@@ -102,13 +127,17 @@ def test_a_folder_whose_owner_runs_or_cannot_be_read_is_kept() -> None:
     alive = folders.new_folder()
     unreadable = Path(tempfile.mkdtemp(prefix=folders.PREFIX))
     (unreadable / folders.OWNER).write_text("not a pid")
+    elsewhere = Path(tempfile.mkdtemp(prefix=folders.PREFIX))  # another host's, or container's
+    (elsewhere / folders.OWNER).write_text("4194303 17 0123abcd")
+    dead = Path(tempfile.mkdtemp(prefix=folders.PREFIX))
+    (dead / folders.OWNER).write_text(f"4194303 17 {host_id()}")
+    kept = (alive, unreadable, elsewhere)
     try:
-        removed = folders.remove_orphans()
-        assert alive not in removed and unreadable not in removed
-        assert alive.exists() and unreadable.exists()
+        assert folders.remove_orphans() == [dead]
+        assert all(folder.exists() for folder in kept) and not dead.exists()
     finally:
-        shutil.rmtree(alive)
-        shutil.rmtree(unreadable)
+        for folder in kept:
+            shutil.rmtree(folder)
 
 
 @pytest.mark.slow

@@ -214,3 +214,35 @@ def iterates_a_dataloader(where: str) -> int:
     record(where)
     loader = torch.utils.data.DataLoader(range(10), batch_size=2, num_workers=2)
     return int(sum(int(batch.sum()) for batch in loader))
+
+
+def prints_for(where: str, seconds: float) -> int:
+    """Worker 0 prints a line every 50 ms for ``seconds``, outside any collective."""
+    record(where)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        print("still going", flush=True)
+        time.sleep(0.05)
+    return 0
+
+
+def reads_the_interpreter(where: str) -> dict[str, Any]:
+    """What a worker's interpreter is set to, where a kernel may have set it."""
+    import pyro
+
+    record(where)
+    return {
+        "dtype": torch.get_default_dtype(),
+        "draw": float(torch.rand(())),
+        "module_local_params": pyro.settings.get("module_local_params"),
+        "validation": pyro.settings.get("validate_infer"),
+    }
+
+
+def holds_the_gil(where: str) -> None:
+    """A C call that never lets go of the interpreter (a regular expression
+    that backtracks for ages): no Python thread of this worker runs meanwhile."""
+    import re
+
+    record(where)
+    re.match(r"(a+)+$", "a" * 60 + "b")

@@ -1,10 +1,12 @@
 """A launching process for tests/spawn/test_orphans.py: it launches workers that
 record their pids and sleep, so that the test can end this process by a signal.
 
-    python tests/spawn/scripts/parent.py WHERE START_METHOD [dist]
+    python tests/spawn/scripts/parent.py WHERE START_METHOD [dist | gil]
 
 With ``dist``, this process first joins a torch.distributed group of its own
 (as after a Lightning fit in a kernel), and the launch's answer is printed.
+With ``gil``, the workers sit in a C call that holds the interpreter, where
+no thread of theirs can run.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 import pyro_distributed as pd
 from pyro_distributed.spawn.processes import free_port
-from tests.spawn.scripts.accidents import record, returns_rank_and_threads
+from tests.spawn.scripts.accidents import holds_the_gil, record, returns_rank_and_threads
 
 
 def sleep_forever(where: str) -> None:
@@ -40,5 +42,7 @@ if __name__ == "__main__":
         except pd.PyroDistributedError as error:
             print("refused", error, flush=True)
         dist.destroy_process_group()
+    elif sys.argv[3:] == ["gil"]:
+        pd.launch(holds_the_gil, where, workers=2, start_method=method)
     else:
         pd.launch(sleep_forever, where, workers=2, start_method=method)
