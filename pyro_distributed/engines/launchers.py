@@ -23,13 +23,25 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import re
 import socket
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import PyroDistributedError
+from .variables import (
+    LOCAL_RANK,
+    RANK,
+    RESTARTS,
+    TASKS,
+    WORKERS,
+    env_int,
+    first_host,
+    first_reserved_port,
+    host_variable,
+    master_port,
+    parse_master_port,
+)
 
 #: The variables that MPI launchers give each process (rank and size), by launcher.
 _MPI_LAUNCHERS = (
@@ -91,7 +103,7 @@ def slurm_step() -> bool:
 def _multi_task_step() -> bool:
     if "SLURM_PROCID" not in os.environ:
         return False
-    return env_int("SLURM_STEP_NUM_TASKS", minimum=1, default=1, what=_TASKS) > 1
+    return env_int("SLURM_STEP_NUM_TASKS", minimum=1, default=1, what=TASKS) > 1
 
 
 def started_from_an_interactive_step() -> bool:
@@ -265,17 +277,17 @@ def torch_rendezvous_from_torchrun() -> Rendezvous:
     :raises ValueError: naming the variable and its value, where one is not
         what torchrun would give (a rank outside ``0..WORLD_SIZE-1``, say).
     """
-    world_size = env_int("WORLD_SIZE", minimum=1, what=_WORKERS)
-    rank = env_int("RANK", minimum=0, below=("WORLD_SIZE", world_size), what=_RANK)
-    local_rank = env_int("LOCAL_RANK", minimum=0, default=-1, what=_LOCAL_RANK)
+    world_size = env_int("WORLD_SIZE", minimum=1, what=WORKERS)
+    rank = env_int("RANK", minimum=0, below=("WORLD_SIZE", world_size), what=RANK)
+    local_rank = env_int("LOCAL_RANK", minimum=0, default=-1, what=LOCAL_RANK)
     port = parse_master_port(os.environ["MASTER_PORT"])
-    address = _host_variable("MASTER_ADDR")
+    address = host_variable("MASTER_ADDR")
     attempt = "0"
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if agent_store:
         # A restart runs on the agent's store, which still holds the last
         # attempt's keys (see TorchEngine._join_group).
-        attempt = str(env_int("TORCHELASTIC_RESTART_COUNT", minimum=0, default=0, what=_RESTARTS))
+        attempt = str(env_int("TORCHELASTIC_RESTART_COUNT", minimum=0, default=0, what=RESTARTS))
     return Rendezvous(
         address=address,
         port=port,
@@ -315,15 +327,13 @@ def torch_rendezvous_from_slurm() -> Rendezvous:
     :raises ValueError: naming the variable and its value, where one of
         Slurm's variables is not what Slurm would give.
     """
-    world_size = env_int("SLURM_STEP_NUM_TASKS", minimum=1, default=1, what=_TASKS)
-    rank = env_int(
-        "SLURM_PROCID", minimum=0, below=("SLURM_STEP_NUM_TASKS", world_size), what=_RANK
-    )
-    local_rank = env_int("SLURM_LOCALID", minimum=0, default=0, what=_LOCAL_RANK)
+    world_size = env_int("SLURM_STEP_NUM_TASKS", minimum=1, default=1, what=TASKS)
+    rank = env_int("SLURM_PROCID", minimum=0, below=("SLURM_STEP_NUM_TASKS", world_size), what=RANK)
+    local_rank = env_int("SLURM_LOCALID", minimum=0, default=0, what=LOCAL_RANK)
     job = env_int("SLURM_JOB_ID", minimum=0, default=0, what="the job's id")
     step = env_int("SLURM_STEP_ID", minimum=0, default=0, what="the step's id")
     if os.environ.get("MASTER_ADDR"):
-        address = _host_variable("MASTER_ADDR")
+        address = host_variable("MASTER_ADDR")
         address_source = f"MASTER_ADDR={address}"
     else:
         variable = (
@@ -339,7 +349,7 @@ def torch_rendezvous_from_slurm() -> Rendezvous:
     port, port_source = master_port(), f"MASTER_PORT={os.environ.get('MASTER_PORT')}"
     if port is None and os.environ.get("SLURM_STEP_RESV_PORTS"):
         reserved = os.environ["SLURM_STEP_RESV_PORTS"]
-        port, port_source = _first_reserved_port(reserved), f"SLURM_STEP_RESV_PORTS={reserved}"
+        port, port_source = first_reserved_port(reserved), f"SLURM_STEP_RESV_PORTS={reserved}"
     if port is None:
         port = slurm_step_port(str(job), str(step))
         port_source = f"derived from SLURM_JOB_ID={job} and SLURM_STEP_ID={step}"
@@ -367,42 +377,6 @@ def slurm_step_port(job: str, step: str) -> int:
     return _SLURM_PORT_BASE + int.from_bytes(digest[:8], "big") % _SLURM_PORT_SPAN
 
 
-def master_port() -> int | None:
-    """``MASTER_PORT`` as a port, or ``None`` where it is unset
-    (:func:`parse_master_port` where it is set)."""
-    raw = os.environ.get("MASTER_PORT")
-    return None if raw is None else parse_master_port(raw)
-
-
-def parse_master_port(raw: str) -> int:
-    """The port that ``MASTER_PORT=raw`` names.
-
-    :raises ValueError: naming the variable and its value, where it is not a
-        whole number from 1 to 65535.
-    """
-    port = int(raw) if raw.strip().isdecimal() else 0
-    if not 1 <= port <= 65535:
-        raise ValueError(
-            f"MASTER_PORT={raw!r} is not a port: it must be a whole number from 1 to 65535, "
-            f"the same on every worker (the port of the rendezvous store on MASTER_ADDR's "
-            f"host), e.g. MASTER_PORT=29500"
-        )
-    return port
-
-
-def _first_reserved_port(reserved: str) -> int:
-    """The first port of ``SLURM_STEP_RESV_PORTS`` (``"12000-12003"``, ``"12011"``)."""
-    match = re.fullmatch(r"(\d+)(?:-\d+)?(?:,\d+(?:-\d+)?)*", reserved.strip())
-    port = int(match.group(1)) if match else 0
-    if not 1 <= port <= 65535:
-        raise ValueError(
-            f"SLURM_STEP_RESV_PORTS={reserved!r} is not a list of ports: it must be "
-            f"ports from 1 to 65535, as a range or a list, as srun --resv-ports gives them, "
-            f"e.g. '12000-12003'"
-        )
-    return port
-
-
 def _port_in_use(port: int) -> bool:
     """Whether a socket already listens on ``port`` on this host, on any
     address: a bind as the store's own (address reuse on, so that a port a
@@ -416,84 +390,7 @@ def _port_in_use(port: int) -> bool:
         return exc.errno == errno.EADDRINUSE
 
 
-#: One host of a Slurm node list: name parts and bracketed ranges of numbers.
-_HOST_PATTERN = re.compile(r"(?:[A-Za-z0-9._-]+|\[\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*\])+")
-
-
-def first_host(nodelist: str, variable: str = "SLURM_STEP_NODELIST") -> str:
-    """The first host of a Slurm node list: ``"gpu[07-09,12],cpu1"`` gives
-    ``"gpu07"`` (``""`` for an empty list).
-
-    :raises ValueError: naming ``variable`` and its value, where the list is
-        not one Slurm writes (``"node[1-"``, say): a host made of the pieces
-        would be a name no worker can reach.
-    """
-    # Commas inside brackets separate numbers; outside, hosts.
-    hosts = re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist.strip())
-    if not nodelist.strip():
-        return ""
-    if ",".join(hosts) != nodelist.strip() or not all(map(_HOST_PATTERN.fullmatch, hosts)):
-        raise ValueError(
-            f"{variable}={nodelist!r} is not a Slurm node list: it must be host names "
-            f"separated by commas, each with optional bracketed numbers or ranges, e.g. "
-            f"'gpu[07-09,12],cpu1'"
-        )
-    return re.sub(r"\[(\d+)[^\]]*\]", r"\1", hosts[0])
-
-
-def _host_variable(variable: str) -> str:
-    """The host name or address in ``variable``, checked."""
-    raw = os.environ.get(variable, "")
-    if not re.fullmatch(r"[A-Za-z0-9._:-]+", raw):
-        raise ValueError(
-            f"{variable}={raw!r} is not a host: it must be the name or IP address of the "
-            f"host of worker 0, the same on every worker, e.g. {variable}=127.0.0.1"
-        )
-    return raw
-
-
-_WORKERS = "the number of workers"
-_TASKS = "the number of the step's tasks"
-_RANK = "this worker's rank"
-_LOCAL_RANK = "this worker's rank on its host"
-_RESTARTS = "the number of restarts"
-
-
-def env_int(
-    variable: str,
-    *,
-    minimum: int,
-    what: str,
-    default: int | None = None,
-    below: tuple[str, int] | None = None,
-) -> int:
-    """The whole number a launcher put in ``variable``, at least ``minimum`` and
-    less than ``below``'s value where given; ``default`` where it is unset.
-
-    :raises ValueError: naming the variable, its value and what it must be: a
-        launcher never writes anything else, so the value was set by hand,
-        and guessing would start a job other than the one the launcher started.
-    """
-    raw = os.environ.get(variable)
-    if raw is None and default is not None:
-        return default
-    value = int(raw) if raw is not None and raw.strip().isdecimal() else -1
-    low, high = minimum, None if below is None else below[1] - 1
-    if value < low or (high is not None and value > high):
-        bound = (
-            f"from {low} to {high} (one less than {below[0]}={below[1]})"
-            if below
-            else (f"of at least {low}")
-        )
-        given = "unset" if raw is None else f"{raw!r}"
-        raise ValueError(
-            f"{variable}={given} is not {what}: it must be a whole number {bound}, as the "
-            f"launcher that started the workers sets it"
-        )
-    return value
-
-
 def _declared(launcher: str, rank_variable: str, size_variable: str) -> Declared:
-    size = env_int(size_variable, minimum=1, what=_WORKERS)
-    env_int(rank_variable, minimum=0, below=(size_variable, size), what=_RANK)
+    size = env_int(size_variable, minimum=1, what=WORKERS)
+    env_int(rank_variable, minimum=0, below=(size_variable, size), what=RANK)
     return Declared(launcher, size_variable, size)

@@ -32,7 +32,6 @@ from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
 from .launchers import (
     TORCHRUN_VARIABLES,
     Rendezvous,
-    env_int,
     mpi_launcher_present,
     port_taken_message,
     slurm_step,
@@ -40,6 +39,7 @@ from .launchers import (
     torch_rendezvous_from_torchrun,
 )
 from .network import advertised_address, check_peer_addresses, choose_gloo_interface, is_loopback
+from .variables import env_int
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 

@@ -17,11 +17,11 @@ from pyro_distributed.engines.horovod import HorovodEngine
 from pyro_distributed.engines.launchers import (
     check_world_size,
     declared_world_size,
-    first_host,
     slurm_step,
     slurm_step_port,
     torch_rendezvous_from_slurm,
 )
+from pyro_distributed.engines.variables import first_host
 from pyro_distributed.errors import PyroDistributedError
 
 from ..support.harness import free_port
