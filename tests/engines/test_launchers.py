@@ -24,7 +24,7 @@ from pyro_distributed.engines.launchers import (
 from pyro_distributed.engines.variables import first_host
 from pyro_distributed.errors import PyroDistributedError
 
-from ..support.harness import free_port
+from ..support.harness import free_port, one_pytest_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "join_and_report.py"
@@ -387,6 +387,7 @@ def spoilt_outcomes() -> dict[tuple[str, str], tuple[int, str, float]]:
     return outcomes
 
 
+@one_pytest_worker(f"{__name__}.spoilt")  # the cases share one module fixture's workers
 @pytest.mark.parametrize(("name", "value"), [(name, value) for _, name, value in SPOILT])
 def test_a_launcher_variable_no_launcher_would_write_is_refused_by_name_at_once(
     spoilt_outcomes: dict[tuple[str, str], tuple[int, str, float]], name: str, value: str
