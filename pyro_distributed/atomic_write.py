@@ -54,14 +54,20 @@ _TEMPORARY = re.compile(
 )
 
 
-def write_with(path: Path, save: Callable[[IO[bytes]], None]) -> None:
+def write_with(
+    path: Path, save: Callable[[IO[bytes]], None], *, through_links: bool = True
+) -> None:
     """Replace the file ``path`` names (:func:`writable_target`) with what
     ``save(file)`` writes, all or nothing.
+
+    ``through_links=False`` replaces a link at ``path`` itself, as Lightning's
+    own checkpoint writer does: its ``last.ckpt`` may be a link to the best
+    checkpoint, which a later save of ``last.ckpt`` must not overwrite.
 
     :raises ValueError: if ``path`` leads to anything but a regular file or a
         new path; nothing is written then.
     """
-    target = writable_target(path)
+    target = path.absolute() if not through_links and path.is_symlink() else writable_target(path)
     temporary = target.with_name(
         f".{target.name}.{host_id()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
     )
@@ -95,7 +101,7 @@ def writable_target(path: Path) -> Path:
     except (OSError, RuntimeError) as exc:  # a loop: RuntimeError before Python 3.13
         raise ValueError(f"will not write {shown}: its links lead to no file ({exc})") from exc
     if not stat.S_ISREG(found.st_mode):
-        via = "" if target == path.absolute() else f", which leads to {os.fspath(target)!r},"
+        via = "" if target == path.absolute() else f" (which leads to {os.fspath(target)!r})"
         raise ValueError(
             f"will not write {shown}{via}: it is {_kind_of(found.st_mode)}, not a regular "
             f"file; give the path of a file, or of a new one"

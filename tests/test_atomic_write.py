@@ -69,6 +69,24 @@ def test_a_link_is_written_through_and_stays_a_link(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chained.pt", "data.pt", "store"]
 
 
+def test_lightnings_writer_replaces_a_last_link_and_keeps_the_best_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Lightning's save_last="link" leaves last.ckpt linking to a top-k file,
+    and may save last.ckpt again: the link goes, the best file stays."""
+    from pyro_distributed.integrations.lightning import checkpoints
+
+    best = tmp_path / "epoch=3.ckpt"
+    best.write_bytes(b"BEST")
+    last = tmp_path / "last.ckpt"
+    last.symlink_to(best.name)
+    checkpoints._write_here(last, {"epoch": 4})
+    assert not last.is_symlink() and torch.load(last)["epoch"] == 4
+    assert best.read_bytes() == b"BEST"
+    atomic_write.write_with(last, lambda file: file.write(b"again"), through_links=False)
+    assert last.read_bytes() == b"again" and best.read_bytes() == b"BEST"
+
+
 def test_a_dangling_link_creates_the_file_it_names(tmp_path: Path) -> None:
     link = tmp_path / "data.pt"
     link.symlink_to(tmp_path / "not-yet.pt")
@@ -98,7 +116,7 @@ def test_what_is_not_a_regular_file_is_refused_by_name(tmp_path: Path) -> None:
     to_pipe.symlink_to(pipe)
     cases = {
         pipe: r"'.*pipe': it is a named pipe, not a regular file",
-        to_pipe: r"to-pipe\.pt', which leads to '.*pipe',: it is a named pipe",
+        to_pipe: r"to-pipe\.pt' \(which leads to '.*pipe'\): it is a named pipe",
         directory: r"folder': it is a directory",
         loop: r"loop\.pt': its links lead to no file",
     }

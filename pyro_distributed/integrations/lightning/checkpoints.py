@@ -305,7 +305,9 @@ def _writer(
 
 def _write_here(path: Path, state: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write.write_with(path, lambda file: torch.save(state, file))
+    # A link is replaced, not written through: Lightning's last.ckpt may link
+    # to the best checkpoint (save_last="link"), and saves last.ckpt again.
+    atomic_write.write_with(path, lambda file: torch.save(state, file), through_links=False)
 
 
 def _places(held: ModuleLocal, optimizers: list[torch.optim.Optimizer]) -> Any:
