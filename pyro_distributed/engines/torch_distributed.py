@@ -93,7 +93,12 @@ class TorchEngine(Engine):
                     f"script.py`, or call torch.distributed.init_process_group() first."
                 )
             joining = torch_rendezvous_from_slurm() if missing else torch_rendezvous_from_torchrun()
-            joining.check_port_is_free()
+            if missing:
+                # A derived or reserved Slurm port is checked before it is served.
+                # Under torchrun's variables, a port held by another process fails
+                # the store at once (EADDRINUSE, named by _store_failure), and one
+                # this process still serves from an earlier engine is reused.
+                joining.check_port_is_free()
             if joining.local_rank is not None:
                 self._local_rank = joining.local_rank
             self._join_group(timeout, joining)

@@ -121,9 +121,9 @@ def first_host(nodelist: str, variable: str = "SLURM_STEP_NODELIST") -> str:
 def host_variable(variable: str) -> str:
     """The host name or address in ``variable``, checked."""
     raw = os.environ.get(variable, "")
-    if not re.fullmatch(r"[A-Za-z0-9._:-]+", raw):
+    if not re.fullmatch(r"[A-Za-z0-9._:%-]+", raw.strip()):  # % : an IPv6 zone
         raise ValueError(
             f"{variable}={raw!r} is not a host: it must be the name or IP address of the "
             f"host of worker 0, the same on every worker, e.g. {variable}=127.0.0.1"
         )
-    return raw
+    return raw.strip()

@@ -107,3 +107,38 @@ def test_shutdown_joins_every_gloo_thread_before_the_interpreter_finalises() -> 
     for threads, refusals in run_workers(_threads_after_shutdown):
         assert threads == []
         assert all("this engine was shut down" in refused for refused in refusals), refusals
+
+
+_AGAIN_AFTER_A_FAILURE = """
+import os, socket
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+from pyro_distributed.engines import create_engine
+import pyro_distributed as pd
+first = create_engine("torch")
+try:
+    raise RuntimeError("a step failed")
+except RuntimeError:
+    first.shutdown()  # leaves its group, and the store on the port, behind
+second = create_engine("torch")
+print("second engine", second.world_size)
+second.shutdown()
+"""
+
+
+def test_a_second_engine_after_a_failed_one_joins_at_the_same_port() -> None:
+    """After a failure the first engine's store stays on the port, served by this
+    process: the second engine under the same variables must not call it taken."""
+    import subprocess
+    import sys
+
+    from ..support.notebooks import ROOT
+
+    done = subprocess.run(
+        [sys.executable, "-c", _AGAIN_AFTER_A_FAILURE],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+        env={k: v for k, v in __import__("os").environ.items() if k != "MASTER_PORT"},
+    )  # fmt: skip
+    assert "second engine 1" in done.stdout, done.stdout + done.stderr
