@@ -92,8 +92,8 @@ def check_torch_optimizer(
 StandIn = tuple[Any, torch.optim.Optimizer, Tensor]
 
 
-def _pyro_stand_in(pyro_optim: PyroOptim, name: str, like: Tensor) -> StandIn:
-    tensor = torch.zeros_like(like)
+def _pyro_stand_in(pyro_optim: PyroOptim, name: str, like: Tensor, size: str) -> StandIn:
+    tensor = _zeros(like, size)
     made = stand_in_optimizer(pyro_optim, name, tensor)
     return made, _optimizer_of(made), tensor
 
@@ -104,8 +104,8 @@ def _load_pyro_state(entry: dict[str, Any], made: Any) -> None:
     load_optimizer_state(made, copy.deepcopy(entry))
 
 
-def _torch_stand_in(kind: type[Any], settings: dict[str, Any], like: Tensor) -> StandIn:
-    tensor = torch.zeros_like(like)
+def _torch_stand_in(kind: type[Any], settings: dict[str, Any], like: Tensor, size: str) -> StandIn:
+    tensor = _zeros(like, size)
     made = kind([{**settings, "params": [tensor]}])
     return made, made, tensor
 
@@ -115,16 +115,21 @@ def _load_torch_state(single: dict[str, Any], made: Any) -> None:
 
 
 def _try(
-    make: Callable[[], StandIn],
+    make: Callable[[str], StandIn],
     load: Callable[[Any], None],
     saved: Any,
     what: str,
     shown: str,
 ) -> None:
     """Compare ``saved`` (one parameter's state, or ``None``) with what a fresh
-    stand-in keeps, then load the saved state (``load``) into another and step it."""
+    stand-in keeps, then load the saved state (``load``) into another and step it.
+
+    The fresh stand-in holds no data (torch's meta device: shapes alone), and
+    the trial is of the parameter's size only where there is saved state to
+    load: a checkpoint of a large parameter is checked without holding it
+    several times over. Running out of memory is not a verdict on the file."""
     try:
-        _, fresh, tensor = made = make()
+        _, fresh, tensor = made = make("meta")
         _step(fresh, tensor)
     except Exception:  # an optimizer that cannot be tried this way
         return
@@ -149,9 +154,11 @@ def _try(
                     f"{said} for {what}, which needs {list(value.shape)}"
                 )
     try:
-        made, trial, tensor = make()
+        made, trial, tensor = make("full" if saved else "one")
         load(made)
         _step(trial, tensor)
+    except (MemoryError, torch.OutOfMemoryError):
+        return  # no room to try it here; the load itself will tell
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise ValueError(
@@ -159,6 +166,17 @@ def _try(
             f"{kind} cannot use ({type(exc).__name__}: {first}): it was saved with another "
             f"optimizer, or other settings"
         ) from exc
+
+
+def _zeros(like: Tensor, size: str) -> Tensor:
+    """A stand-in parameter: ``like``'s shape without data (``"meta"``), zeros
+    of its shape (``"full"``), or one zero of its kind (``"one"``, where only
+    the optimizer's settings are tried)."""
+    if size == "meta":
+        return torch.zeros_like(like, device="meta")
+    if size == "one":
+        return torch.zeros(1, dtype=like.dtype, device=like.device)
+    return torch.zeros_like(like)
 
 
 def _step(optimizer: torch.optim.Optimizer, tensor: Tensor) -> None:
