@@ -25,13 +25,14 @@ _engine: Engine | None = None
 _detected = False
 
 
-def as_timeout(timeout: float | timedelta) -> timedelta:
-    """A time-out given as seconds or a timedelta, checked: positive and finite."""
+def as_timeout(timeout: float | timedelta, name: str = "timeout") -> timedelta:
+    """A duration given as seconds or a timedelta, checked: positive and finite
+    (``name`` is the argument the messages name)."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
-        raise TypeError(f"timeout must be seconds (a number) or a timedelta, got {timeout!r}")
+        raise TypeError(f"{name} must be seconds (a number) or a timedelta, got {timeout!r}")
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"timeout must be a positive, finite duration, got {timeout!r}")
+        raise ValueError(f"{name} must be a positive, finite duration, got {timeout!r}")
     return timedelta(seconds=seconds)
 
 

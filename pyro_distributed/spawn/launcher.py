@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from .. import runtime
-from ..checks import check_number
+from ..runtime import as_timeout
 from . import folders, follow, processes, state, worker
 
 #: Engines whose workers a launch can start: the others come with a launcher
@@ -164,8 +163,8 @@ def launch(
         temporary directory is removed by the next launch.
     """
     _check_arguments(fn, workers, engine, resume, rows_in_memory)
-    checked_timeout = None if timeout is None else runtime.as_timeout(timeout)
-    limit = None if time_limit is None else _as_seconds("time_limit", time_limit)
+    checked_timeout = None if timeout is None else as_timeout(timeout)
+    limit = None if time_limit is None else as_timeout(time_limit, "time_limit").total_seconds()
     context = processes.context(start_method)
     method = context.get_start_method()
     pickled = processes.portable(fn, args, method)
@@ -256,9 +255,3 @@ def _check_arguments(fn: Any, workers: Any, engine: Any, resume: Any, rows_in_me
         raise ValueError(
             f"launch: rows_in_memory must be None or a number of bytes, got {rows_in_memory!r}"
         )
-
-
-def _as_seconds(name: str, value: Any) -> float:
-    seconds = value.total_seconds() if isinstance(value, timedelta) else value
-    check_number(name, seconds, positive=True)
-    return float(seconds)

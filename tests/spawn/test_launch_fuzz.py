@@ -382,10 +382,16 @@ CASES: dict[str, Case] = {
         {"workers": "2"},
     ),
     "time_limit=-1": Case(
-        a.returns, (1,), _error(ValueError, r"time_limit must be positive"), {"time_limit": -1}
+        a.returns,
+        (1,),
+        _error(ValueError, r"time_limit must be a positive, finite duration, got -1"),
+        {"time_limit": -1},
     ),
     "time_limit='1h'": Case(
-        a.returns, (1,), _error(TypeError, r"time_limit must be a number"), {"time_limit": "1h"}
+        a.returns,
+        (1,),
+        _error(TypeError, r"time_limit must be seconds \(a number\) or a timedelta, got '1h'"),
+        {"time_limit": "1h"},
     ),
     "an unknown keyword": Case(
         a.returns, (1,), _error(TypeError, r"unexpected keyword argument 'nprocs'"), {"nprocs": 2}
