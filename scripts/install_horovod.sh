@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Build and install Horovod 0.28.1 (PyTorch + Gloo, CPU ops, no MPI/TF/MXNet)
-# into the currently active Python environment, against the torch that is
-# already installed there.
+# Build and install Horovod 0.28.1 (PyTorch + Gloo, no MPI/TF/MXNet) into the
+# currently active Python environment, against the torch that is already
+# installed there: CPU operations over Gloo, and NCCL GPU operations as well
+# where a GPU and a usable CUDA toolkit are there.
 #
 # Usage:
 #   . .venv/bin/activate                 # or any env that already has torch
-#   scripts/install_horovod.sh [--no-check] [--verbose] [-h|--help]
+#   scripts/install_horovod.sh [--cpu|--gpu] [--no-check] [--verbose] [-h|--help]
 #
 # Options:
+#   --cpu        CPU operations only (Gloo), even where a GPU is visible
+#   --gpu        NCCL GPU operations too; fails, naming what is missing, without
+#                a CUDA build of torch and a usable CUDA toolkit
+#                (default: --gpu where torch sees a GPU and a usable toolkit is
+#                found, --cpu otherwise, saying why)
 #   --no-check   skip the final smoke check (hvd.init() + a 2-process
 #                `horovodrun --gloo` allreduce)
 #   --verbose    stream the full compiler output to the terminal (it is always
@@ -18,14 +24,30 @@
 #   PYTHON                  interpreter to install into (default: `python` on PATH)
 #   PYRO_DISTRIBUTED_CACHE  cache root (default: $HOME/.cache/pyro-distributed);
 #                           built wheels go to $PYRO_DISTRIBUTED_CACHE/wheels/
+#   CUDA_HOME               a CUDA toolkit to build GPU operations with (tried
+#                           first; then torch's own guess, nvcc's folder and
+#                           /usr/local/cuda)
+#   HOROVOD_BUILD_CUDA_CC_LIST  compute capabilities for the GPU kernels
+#                           (default: those of the visible GPUs)
 #   MAKEFLAGS               passed through if set; otherwise -j$(nproc)
 #
 # Why a source build: horovod 0.28.1 is the last release and ships no wheels.
-# It compiles with C++14, but torch >= 2.1 headers need C++17, so the sdist is
-# patched (CMAKE_CXX_STANDARD 14 -> 17) before building. The first run compiles
-# for ~3-8 minutes on 2 cores. The resulting wheel is ABI-tied to the torch
-# it was built against, so it is cached per (torch version, python tag, arch);
-# later runs with the same torch just `pip install` the cached wheel.
+# It compiles as C++14, but torch's headers need a newer standard, which they
+# name in an #error line (C++17 up to torch 2.14, C++20 from torch 2.15): the
+# sdist is patched to the standard the installed torch's headers ask for.
+# Tested here against torch 2.13 (C++17) and 2.15 (C++20) with GCC 12.
+#
+# A usable CUDA toolkit has bin/nvcc, include/cuda_runtime.h and libcudart.
+# An `nvcc` on the PATH alone is not one: torch then guesses the folder above
+# it as CUDA_HOME, and Horovod's CMake, asked for CUDA, stops without the
+# headers. Without a usable toolkit (or a GPU), the build leaves CUDA out
+# altogether, even against a CUDA build of torch; Horovod's operations then run
+# on CPU tensors over Gloo.
+#
+# The first run compiles for ~3-8 minutes on 2 cores. The wheel is ABI-tied to
+# the torch it was built against, so it is cached per (torch version, python
+# tag, arch, C++ standard, operations); later runs with the same torch just
+# `pip install` the cached wheel.
 #
 # If `import horovod.torch` already works with horovod 0.28.1, the script exits
 # 0 immediately without doing anything.
@@ -37,6 +59,7 @@ SUGGESTED_TORCH_VERSION=2.13.0
 
 RUN_CHECK=1
 VERBOSE=0
+OPERATIONS=auto
 
 log() { printf '[install_horovod] %s\n' "$*" >&2; }
 die() { printf '[install_horovod] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -44,6 +67,8 @@ usage() { sed -n '2,/^$/{s/^# \{0,1\}//;p}' "$0"; }
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
+        --cpu) OPERATIONS=cpu ;;
+        --gpu) OPERATIONS=gpu ;;
         --no-check) RUN_CHECK=0 ;;
         --verbose) VERBOSE=1 ;;
         -h|--help) usage; exit 0 ;;
@@ -57,6 +82,8 @@ done
 # --------------------------------------------------------------------------
 PYTHON="$(command -v "${PYTHON:-python}" || true)"
 [[ -n "$PYTHON" ]] || die "no 'python' on PATH; activate the target environment first"
+# An absolute path: py() below runs it from another directory.
+[[ "$PYTHON" == /* ]] || PYTHON="$PWD/$PYTHON"
 PIP=("$PYTHON" -m pip)
 
 WORKDIR="$(mktemp -d "${TMPDIR:-/tmp}/install-horovod.XXXXXX")"
@@ -67,16 +94,18 @@ trap 'rm -rf "$WORKDIR"' EXIT
 py() { (cd "$WORKDIR" && "$PYTHON" "$@"); }
 
 # One interpreter start (importing torch costs ~2s) to learn the torch
-# version, the python tag and whether a working horovod is already there.
-# Prints: "PROBE <torch version|-> <python tag> <yes|no>".
+# version, the python tag, whether a working horovod is already there, torch's
+# CUDA version and visible GPUs (their compute capabilities), torch's guess of
+# CUDA_HOME, and the C++ standard torch's headers ask for.
+# Prints: "PROBE <torch version|-> <python tag> <yes|no> <cuda|-> <ccs|-> <cuda home|-> <std>".
 probe() {
     py - "$HOROVOD_VERSION" 2>/dev/null <<'EOF_PY' | grep '^PROBE ' | tail -n1
-import sys
+import os, re, sys
 tag = f"{sys.implementation.name[:2]}{sys.version_info[0]}{sys.version_info[1]}"
 try:
     import torch
 except Exception:
-    print("PROBE", "-", tag, "no")
+    print("PROBE", "-", tag, "no", "-", "-", "-", "-")
     sys.exit(0)
 ok = "no"
 try:
@@ -85,11 +114,32 @@ try:
     ok = "yes" if horovod.__version__ == sys.argv[1] else "no"
 except Exception:
     pass
-print("PROBE", torch.__version__, tag, ok)
+cuda = torch.version.cuda or "-"
+ccs = "-"
+if cuda != "-" and torch.cuda.is_available():
+    found = {"%d%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    ccs = ",".join(sorted(found))
+home = "-"
+if cuda != "-":
+    from torch.utils import cpp_extension
+    home = cpp_extension.CUDA_HOME or "-"
+# torch's umbrella header refuses an older standard by name:
+#   #error C++17 or later compatible compiler is required to use PyTorch.
+std = "17"
+umbrella = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "api",
+                        "include", "torch", "all.h")
+try:
+    with open(umbrella) as header:
+        named = re.search(r"#\s*error\s+C\+\+(\d+) or later", header.read())
+    if named:
+        std = named.group(1)
+except OSError:
+    pass
+print("PROBE", torch.__version__, tag, ok, cuda, ccs, home.replace(" ", "?"), std)
 EOF_PY
 }
 
-read -r _ TORCH_VERSION PY_TAG HOROVOD_OK <<<"$(probe)" || true
+read -r _ TORCH_VERSION PY_TAG HOROVOD_OK TORCH_CUDA GPU_CCS TORCH_CUDA_HOME CXX_STANDARD <<<"$(probe)" || true
 [[ -n "${PY_TAG:-}" ]] || die "could not run $PYTHON"
 if [[ "$TORCH_VERSION" == "-" ]]; then
     die "torch is not installed in $PYTHON's environment. Install it first, e.g.:
@@ -97,7 +147,60 @@ if [[ "$TORCH_VERSION" == "-" ]]; then
 then re-run this script (horovod is compiled against the installed torch)."
 fi
 ARCH="$(uname -m)"
-log "python: $PYTHON ($PY_TAG), torch: $TORCH_VERSION"
+log "python: $PYTHON ($PY_TAG), torch: $TORCH_VERSION (CUDA: $TORCH_CUDA, GPUs: $GPU_CCS)"
+
+# A CUDA toolkit that can build against: nvcc, the runtime's headers and
+# libcudart, in one folder. Prints the first such folder of those tried.
+usable_toolkit() {
+    local root nvcc_path
+    local -a tried=("${CUDA_HOME:-}" "${TORCH_CUDA_HOME//\?/ }")
+    if nvcc_path="$(command -v nvcc 2>/dev/null)"; then
+        tried+=("$(dirname "$(dirname "$(readlink -f "$nvcc_path")")")")
+    fi
+    tried+=(/usr/local/cuda)
+    for root in "${tried[@]}"; do
+        [[ -n "$root" && "$root" != "-" ]] || continue
+        [[ -x "$root/bin/nvcc" && -f "$root/include/cuda_runtime.h" ]] || continue
+        compgen -G "$root/lib64/libcudart.so*" >/dev/null || compgen -G "$root/lib/libcudart.so*" >/dev/null \
+            || continue
+        echo "$root"
+        return 0
+    done
+    return 1
+}
+
+TOOLKIT=
+if [[ "$OPERATIONS" != cpu && "$TORCH_CUDA" != "-" ]]; then
+    TOOLKIT="$(usable_toolkit)" || TOOLKIT=
+fi
+case "$OPERATIONS" in
+    gpu)
+        [[ "$TORCH_CUDA" != "-" ]] || die "--gpu: torch $TORCH_VERSION is not a CUDA build"
+        [[ -n "$TOOLKIT" ]] || die "--gpu: no usable CUDA toolkit (nvcc, include/cuda_runtime.h and libcudart in one folder) in \$CUDA_HOME, torch's guess (${TORCH_CUDA_HOME//\?/ }), nvcc's folder or /usr/local/cuda"
+        ;;
+    auto)
+        if [[ "$GPU_CCS" != "-" && -n "$TOOLKIT" ]]; then
+            OPERATIONS=gpu
+        else
+            OPERATIONS=cpu
+            if [[ "$TORCH_CUDA" != "-" ]]; then
+                if [[ "$GPU_CCS" == "-" ]]; then
+                    log "torch is a CUDA $TORCH_CUDA build but sees no GPU: building CPU operations (Gloo) only"
+                else
+                    log "no usable CUDA toolkit (nvcc, include/cuda_runtime.h and libcudart in one folder): building CPU operations (Gloo) only; set CUDA_HOME to a full toolkit for NCCL GPU operations"
+                fi
+            fi
+        fi
+        ;;
+esac
+if [[ "$OPERATIONS" == gpu ]]; then
+    OPERATIONS_KEY="nccl-cu${TORCH_CUDA//./}"
+    log "operations: CPU (Gloo) and GPU (NCCL), CUDA toolkit $TOOLKIT"
+else
+    OPERATIONS_KEY=cpu
+    log "operations: CPU (Gloo)"
+fi
+log "C++ standard: $CXX_STANDARD (what torch $TORCH_VERSION's headers ask for)"
 
 # --------------------------------------------------------------------------
 # Already installed?
@@ -110,7 +213,7 @@ fi
 "${PIP[@]}" --version >/dev/null 2>&1 || die "pip is not available for $PYTHON"
 
 CACHE_ROOT="${PYRO_DISTRIBUTED_CACHE:-$HOME/.cache/pyro-distributed}"
-CACHE_KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VERSION}_${PY_TAG}_${ARCH}"
+CACHE_KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VERSION}_${PY_TAG}_${ARCH}_cxx${CXX_STANDARD}_${OPERATIONS_KEY}"
 WHEEL_CACHE="$CACHE_ROOT/wheels/$CACHE_KEY"
 LOG_DIR="$CACHE_ROOT/logs"
 mkdir -p "$WHEEL_CACHE" "$LOG_DIR"
@@ -148,6 +251,29 @@ pick_cmake() {
         fi
     done
     return 1
+}
+
+# The variables a GPU build reads: the toolkit for torch, CMake and Horovod's
+# nvcc, NCCL (the toolkit's own, or the nvidia-nccl wheel that torch's CUDA
+# build installed), and the compute capabilities of the visible GPUs.
+use_toolkit() {
+    export CUDA_HOME="$TOOLKIT" CUDAToolkit_ROOT="$TOOLKIT" HOROVOD_CUDA_HOME="$TOOLKIT"
+    export PATH="$TOOLKIT/bin:$PATH"
+    export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED
+    export HOROVOD_BUILD_CUDA_CC_LIST="${HOROVOD_BUILD_CUDA_CC_LIST:-$GPU_CCS}"
+    [[ "$HOROVOD_BUILD_CUDA_CC_LIST" != "-" ]] \
+        || die "--gpu without a visible GPU: set HOROVOD_BUILD_CUDA_CC_LIST (e.g. 80,90)"
+    if [[ -z "${HOROVOD_NCCL_HOME:-}${HOROVOD_NCCL_INCLUDE:-}" && ! -f "$TOOLKIT/include/nccl.h" ]]; then
+        local wheel
+        wheel="$(py -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])' 2>/dev/null)" \
+            || die "no NCCL: neither $TOOLKIT/include/nccl.h nor torch's nvidia-nccl wheel; set HOROVOD_NCCL_HOME"
+        # The wheel has libnccl.so.2 only; CMake's find_library wants libnccl.so.
+        mkdir -p "$WORKDIR/nccl-lib"
+        ln -sf "$wheel/lib/libnccl.so.2" "$WORKDIR/nccl-lib/libnccl.so"
+        export HOROVOD_NCCL_INCLUDE="$wheel/include" HOROVOD_NCCL_LIB="$WORKDIR/nccl-lib"
+        log "NCCL from torch's nvidia-nccl wheel: $wheel"
+    fi
+    log "GPU operations: NCCL, CUDA toolkit $TOOLKIT, compute capabilities $HOROVOD_BUILD_CUDA_CC_LIST"
 }
 
 build_wheel() {
@@ -189,16 +315,27 @@ build_wheel() {
     local src="$WORKDIR/src/horovod-$HOROVOD_VERSION"
     [[ -f "$src/setup.py" ]] || die "unexpected sdist layout: $src/setup.py missing"
 
-    log "patching CMake files: CMAKE_CXX_STANDARD 14 -> 17 (torch >= 2.1 needs C++17)"
+    log "patching CMake files: CMAKE_CXX_STANDARD 14 -> $CXX_STANDARD (torch $TORCH_VERSION's headers need it)"
     local f
     for f in CMakeLists.txt horovod/torch/CMakeLists.txt; do
         grep -Eq 'set\(CMAKE_CXX_STANDARD 14\)' "$src/$f" \
-            || die "C++17 patch: 'set(CMAKE_CXX_STANDARD 14)' not found in $f; sdist changed?"
-        sed -i -E 's/set\(CMAKE_CXX_STANDARD 14\)/set(CMAKE_CXX_STANDARD 17)/g' "$src/$f"
-        if grep -Eq 'CMAKE_CXX_STANDARD 14' "$src/$f" || ! grep -Eq 'set\(CMAKE_CXX_STANDARD 17\)' "$src/$f"; then
-            die "C++17 patch did not apply cleanly to $f"
+            || die "C++$CXX_STANDARD patch: 'set(CMAKE_CXX_STANDARD 14)' not found in $f; sdist changed?"
+        sed -i -E "s/set\(CMAKE_CXX_STANDARD 14\)/set(CMAKE_CXX_STANDARD $CXX_STANDARD)/g" "$src/$f"
+        if grep -Eq 'CMAKE_CXX_STANDARD 14' "$src/$f" || ! grep -Eq "set\(CMAKE_CXX_STANDARD $CXX_STANDARD\)" "$src/$f"; then
+            die "C++$CXX_STANDARD patch did not apply cleanly to $f"
         fi
     done
+
+    if [[ "$OPERATIONS" == cpu && "$TORCH_CUDA" != "-" ]]; then
+        # Horovod asks for CUDA whenever torch is a CUDA build and torch.utils
+        # .cpp_extension guesses a CUDA_HOME, usable or not; a CPU build says no.
+        log "patching FindPytorch.cmake: build against torch's CPU side only"
+        f=cmake/Modules/FindPytorch.cmake
+        grep -q 'string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)' "$src/$f" \
+            || die "CPU patch: the Pytorch_CUDA probe was not found in $f; sdist changed?"
+        sed -i 's/^string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)$/&\nset(Pytorch_CUDA FALSE)/' "$src/$f"
+        grep -qx 'set(Pytorch_CUDA FALSE)' "$src/$f" || die "CPU patch did not apply to $f"
+    fi
 
     export HOROVOD_WITH_PYTORCH=1
     export HOROVOD_WITHOUT_MPI=1
@@ -206,6 +343,12 @@ build_wheel() {
     export HOROVOD_WITHOUT_MXNET=1
     export HOROVOD_WITH_GLOO=1
     export HOROVOD_CPU_OPERATIONS=GLOO
+    if [[ "$OPERATIONS" == gpu ]]; then
+        use_toolkit "$src"
+    else
+        unset HOROVOD_GPU_OPERATIONS HOROVOD_GPU_ALLREDUCE HOROVOD_GPU_ALLGATHER \
+            HOROVOD_GPU_BROADCAST HOROVOD_GPU_ALLTOALL HOROVOD_GPU_REDUCESCATTER HOROVOD_GPU
+    fi
     # setup.py hard-codes -j8 unless MAKEFLAGS is set; use one job per core.
     export MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}"
 
@@ -253,7 +396,7 @@ log "installing $(basename "$WHEEL") (torch pinned to $TORCH_VERSION)"
 # ...then let pip resolve horovod's runtime deps, with torch held in place.
 "${PIP[@]}" install --quiet -c "$CONSTRAINTS" "$WHEEL"
 
-read -r _ NEW_TORCH _ HOROVOD_OK <<<"$(probe)" || true
+read -r _ NEW_TORCH _ HOROVOD_OK _ <<<"$(probe)" || true
 [[ "$NEW_TORCH" == "$TORCH_VERSION" ]] || die "torch changed from $TORCH_VERSION to $NEW_TORCH during install"
 if [[ "$HOROVOD_OK" != yes ]]; then
     py -c 'import horovod.torch' || true

@@ -26,6 +26,10 @@
 # of the extra's range:
 #   PYRO_DISTRIBUTED_LIGHTNING    its version (default 2.6.6, the highest tested;
 #                                 scripts/setup_integrations.sh asks for the lowest)
+# And, for a lane of its own (scripts/setup_newest.sh sets them):
+#   PYRO_DISTRIBUTED_PYTHON       the interpreter that makes a new venv (default python3)
+#   PYRO_DISTRIBUTED_PYRO         pyro-ppl's version, pinned (default: the newest
+#                                 release the package's range and the extras allow)
 
 PYRO_DISTRIBUTED_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYRO_DISTRIBUTED_VENV=${PYRO_DISTRIBUTED_VENV:-$PYRO_DISTRIBUTED_ROOT/.venv}
@@ -34,7 +38,7 @@ PYRO_DISTRIBUTED_EXTRAS=${PYRO_DISTRIBUTED_EXTRAS:-dev,examples}
 
 if [ ! -x "$PYRO_DISTRIBUTED_VENV/bin/python" ]; then
     echo "[setup] creating $PYRO_DISTRIBUTED_VENV"
-    python3 -m venv "$PYRO_DISTRIBUTED_VENV"
+    "${PYRO_DISTRIBUTED_PYTHON:-python3}" -m venv "$PYRO_DISTRIBUTED_VENV"
 fi
 # shellcheck disable=SC1091
 . "$PYRO_DISTRIBUTED_VENV/bin/activate"
@@ -53,6 +57,9 @@ if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '
     fi
 fi
 PYRO_DISTRIBUTED_PINS=("torch==$PYRO_DISTRIBUTED_TORCH")
+if [ -n "${PYRO_DISTRIBUTED_PYRO:-}" ]; then
+    PYRO_DISTRIBUTED_PINS+=("pyro-ppl==$PYRO_DISTRIBUTED_PYRO")
+fi
 case ",$PYRO_DISTRIBUTED_EXTRAS," in
     *,mpi,*) PYRO_DISTRIBUTED_PINS+=("mpi4py==${PYRO_DISTRIBUTED_MPI4PY:-4.1.2}"
                                      "mpich==${PYRO_DISTRIBUTED_MPICH:-5.0.2}") ;;

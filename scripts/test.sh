@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
-# The project's whole check, as CI runs it: set up the venv (with the mpi extra,
-# mpi4py and the MPICH wheel, the lightning, docs and release extras), build
-# Horovod (cached after the first run), lint, type-check, check the import
-# layers, build the documentation site with warnings as errors, build and check
-# the sdist and wheel and import the wheel from a fresh venv, and run every
-# test, the MPI ones under the real mpiexec and Lightning's under its launcher
-# (tests/test_docs.py checks the built site and runs the docs' code blocks);
-# and, in the integrations venv (scripts/setup_integrations.sh), scvi-tools and
-# cell2location trained through the strategy, on the lowest supported Lightning.
+# The project's whole check, as CI runs it, in three lanes on the machine's two
+# cores, because most of a test's time is spent waiting (on a launcher's
+# start-up, a rendezvous, a time-out it checks):
 #
-# Two lanes share the machine's two cores, because most of a test's time is
-# spent waiting (on a launcher's start-up, a rendezvous, a time-out it checks):
-# the integrations venv is made and its tests run in the background while the
-# main lane builds Horovod, checks and runs the main tests on two pytest
-# workers (-n 2; the Slurm tests stay on one, tests/conftest.py). The
-# integrations lane's output is printed when both lanes are done.
+# - the main lane: set up the venv (Python 3.11, the pinned CPU torch 2.13.0,
+#   the newest pyro-ppl and Lightning 2.6.6, with the mpi, lightning, docs and
+#   release extras), lint, type-check, check the import layers, build the
+#   documentation site with warnings as errors, build and check the sdist and
+#   wheel and import the wheel from a fresh venv, and run every test but the
+#   Horovod and MPI ones on two pytest workers (-n 2; the Slurm tests stay on
+#   one, tests/conftest.py), Lightning's under its launcher
+#   (tests/test_docs.py checks the built site and runs the docs' code blocks);
+# - in the background, the integrations lane (scripts/test_integrations.sh):
+#   scvi-tools and cell2location trained through the strategy, on the lowest
+#   supported Lightning, in a venv of their own;
+# - then, in the background too, the newest lane (scripts/test_newest.sh): a
+#   new user's stack (Python 3.13, the registry's torch 2.15.0 CUDA build,
+#   pyro-ppl 1.9.2, Lightning 2.6.6), Horovod built against it, mypy against
+#   its annotations, the quick suite, and the Horovod and MPI tests, which run
+#   there only.
+#
+# The background lanes' output is printed when all are done, with each lane's
+# time.
 #
 #   bash scripts/test.sh [extra pytest arguments]
 #
@@ -45,20 +52,27 @@ fi
 PYRO_DISTRIBUTED_EXTRAS=${PYRO_DISTRIBUTED_EXTRAS:-dev,examples,mpi,lightning,docs,release}
 . scripts/setup_env.sh
 
-INTEGRATIONS_LOG=
+LANES=
+started=$SECONDS
 if [[ -z "$QUICK" ]]; then
-    # scripts/test_integrations.sh: scvi-tools and cell2location (and jax,
-    # ~2 GB) in a venv of their own, on the lowest Lightning the strategy
-    # supports. In a process group of its own (set -m), so that stopping it
-    # stops every process it started.
-    INTEGRATIONS_LOG=$(mktemp "${TMPDIR:-/tmp}/pyro-distributed-integrations.XXXXXX")
+    # The background lanes, one after the other (at most two pytest runs share
+    # the cores at any time), each writing its log and "<exit status> <seconds>".
+    # In a process group of its own (set -m), so that stopping it stops every
+    # process it started.
+    LANES=$(mktemp -d "${TMPDIR:-/tmp}/pyro-distributed-lanes.XXXXXX")
     set -m
-    bash scripts/test_integrations.sh "$@" >"$INTEGRATIONS_LOG" 2>&1 &
-    INTEGRATIONS_LANE=$!
+    (
+        for lane in integrations newest; do
+            lane_started=$SECONDS
+            lane_status=0
+            bash "scripts/test_$lane.sh" "$@" >"$LANES/$lane.log" 2>&1 || lane_status=$?
+            echo "$lane_status $((SECONDS - lane_started))" >"$LANES/$lane.status"
+        done
+    ) &
+    BACKGROUND=$!
     set +m
-    # A main lane that fails stops the other lane too, and nothing is left running.
-    trap 'kill -- -"$INTEGRATIONS_LANE" 2>/dev/null || true; rm -f "$INTEGRATIONS_LOG"' EXIT
-    bash scripts/install_horovod.sh
+    # A main lane that fails stops the other lanes too, and nothing is left running.
+    trap 'kill -- -"$BACKGROUND" 2>/dev/null || true; rm -rf "$LANES"' EXIT
 fi
 
 echo "[test] ruff"
@@ -82,14 +96,24 @@ bash scripts/check_package.sh
 echo "[test] pytest"
 # --durations: the slowest tests in every run's log, to keep the command's time in view.
 # --dist loadgroup: tests marked xdist_group (the Slurm ones) share one worker.
+# The Horovod and MPI tests run in the newest lane.
 status=0
-python -m pytest -n 2 --dist loadgroup --durations=25 "$@" || status=$?
+python -m pytest -n 2 --dist loadgroup --durations=25 -m "not (horovod or mpi)" "$@" || status=$?
+main_seconds=$((SECONDS - started))
 
-echo "[test] waiting for the integrations lane"
-lane=0
-wait "$INTEGRATIONS_LANE" || lane=$?
+echo "[test] waiting for the background lanes"
+wait "$BACKGROUND" || true
 trap - EXIT
-cat "$INTEGRATIONS_LOG"
-rm -f "$INTEGRATIONS_LOG"
-echo "[test] main tests: exit $status; integrations lane: exit $lane"
-(( status == 0 && lane == 0 ))
+summary="[test] main lane: exit $status in ${main_seconds}s"
+failed=$status
+for lane in integrations newest; do
+    echo "[test] ===== the $lane lane ====="
+    cat "$LANES/$lane.log" 2>/dev/null || true
+    read -r lane_status lane_seconds 2>/dev/null <"$LANES/$lane.status" || lane_status="did not finish"
+    summary+="; $lane lane: exit $lane_status${lane_seconds:+ in ${lane_seconds}s}"
+    [[ "$lane_status" == 0 ]] || failed=1
+    lane_seconds=
+done
+rm -rf "$LANES"
+echo "$summary; all: $((SECONDS - started))s"
+(( failed == 0 ))

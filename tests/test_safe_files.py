@@ -105,7 +105,10 @@ def test_files_record_the_versions_that_wrote_them(tmp_path: Path) -> None:
     assert header.format_version == safe_files.FORMAT_VERSION
     assert set(header.versions) == {"pyro-distributed", "torch", "pyro-ppl"}
     assert header.versions["pyro-distributed"] == pd.__version__
+    # What ran, build label included: torch.__version__ of a CUDA wheel from PyPI
+    # is "2.15.0+cu132" where its distribution's metadata says "2.15.0".
     assert header.versions["torch"] == torch.__version__
+    assert header.versions["pyro-ppl"] == pyro.__version__
 
 
 def test_a_checkpoint_needs_only_the_constraint_classes(tmp_path: Path) -> None:

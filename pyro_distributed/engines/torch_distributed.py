@@ -44,9 +44,24 @@ from .variables import env_int
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
+def _started(work: dist.Work | None, what: str) -> dist.Work:
+    """The handle of a collective started with ``async_op=True``.
+
+    torch returns ``None`` instead where this process is not a member of the
+    group, which never happens to a group the engine made: refused by name
+    rather than left to fail later as an attribute error.
+    """
+    if work is None:
+        raise PyroDistributedError(
+            f"torch.distributed started no {what} on worker {dist.get_rank()}: this "
+            f"process is not a member of the group it was started on"
+        )
+    return work
+
+
 class _TorchPending(Pending):
     def __init__(
-        self, engine: TorchEngine, work: Any, what: str, tensor: Tensor, divisor: int
+        self, engine: TorchEngine, work: dist.Work, what: str, tensor: Tensor, divisor: int
     ) -> None:
         self._engine, self._work, self._what = engine, work, what
         self._tensor, self._divisor = tensor, divisor
@@ -228,8 +243,11 @@ class TorchEngine(Engine):
             raise ValueError(f"the torch engine has no reduction {op!r}")
         what = f"allreduce ({op}) of {name or 'a tensor'}"
         with self._collective(what):
-            work = dist.all_reduce(
-                tensor, op=_REDUCE_OPS[op], group=self._group(tensor), async_op=True
+            work = _started(
+                dist.all_reduce(
+                    tensor, op=_REDUCE_OPS[op], group=self._group(tensor), async_op=True
+                ),
+                what,
             )
         divisor = self._world_size if op == "mean" else 1
         return _TorchPending(self, work, what, tensor, divisor)
@@ -248,9 +266,11 @@ class TorchEngine(Engine):
         return channel
 
     def broadcast_(self, tensors: Sequence[Tensor], src: int = 0) -> None:
-        with self._collective(f"broadcast from worker {src} of {len(tensors)} tensor(s)"):
+        what = f"broadcast from worker {src} of {len(tensors)} tensor(s)"
+        with self._collective(what):
             works = [
-                dist.broadcast(t, src=src, group=self._group(t), async_op=True) for t in tensors
+                _started(dist.broadcast(t, src=src, group=self._group(t), async_op=True), what)
+                for t in tensors
             ]
             for work in works:
                 work.wait(self._timeout)
