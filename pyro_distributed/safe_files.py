@@ -21,13 +21,13 @@ all or nothing, through :mod:`pyro_distributed.atomic_write`.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import io
 import json
 import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -44,21 +44,23 @@ FORMAT_VERSION = 4
 #: How a file of version 3 and older starts: a zip archive, torch.save's format.
 _LEGACY_START = b"PK\x03\x04"
 
-#: The distributions a header names, and the module whose ``__version__`` it records.
-_WRITERS = {"pyro-distributed": "pyro_distributed", "torch": "torch", "pyro-ppl": "pyro"}
+_DISTRIBUTIONS = ("pyro-distributed", "pyro-ppl")
 
 
 def versions() -> dict[str, str]:
     """The versions of the library, torch and Pyro that write a file now.
 
-    Each as the imported module says of itself (``__version__``), which is what
-    ran: torch's keeps its build's label (``2.15.0+cu132``, ``2.13.0+cpu``),
-    which the distribution's metadata of a wheel from PyPI leaves out.
+    torch's is ``torch.__version__``, which is what ran and names its build
+    (``2.15.0+cu132``, ``2.13.0+cpu``), where the distribution's metadata of a
+    wheel from PyPI says ``2.15.0``; the others carry no build label.
     """
-    return {
-        name: str(getattr(importlib.import_module(module), "__version__", "unknown"))
-        for name, module in _WRITERS.items()
-    }
+    found = {"torch": str(torch.__version__)}
+    for name in _DISTRIBUTIONS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "unknown"
+    return found
 
 
 @dataclass(frozen=True)

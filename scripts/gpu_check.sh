@@ -11,11 +11,14 @@
 #       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 #       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #       --platform manylinux1_x86_64 -d .whl \
-#       pyro-ppl==1.9.2 pyro-api==0.1.2 mpi4py==4.1.2 mpich==5.0.2
+#       pyro-ppl==1.9.2 pyro-api==0.1.2 mpi4py==4.1.2 mpich==5.0.2 cffi==2.1.1 pycparser==3.12
+#   python3 -m pip download --no-deps --no-binary :all: -d .whl horovod==0.28.1
 #
-# (about 15 MB: pyro-ppl and pyro-api, which pyro-ppl needs beside numpy,
+# (about 20 MB: pyro-ppl and pyro-api, which pyro-ppl needs beside numpy,
 # opt-einsum, torch and tqdm that the machine has; mpi4py and the MPICH wheel
-# that CI tests, for the MPI engine and its mpiexec.) Then, on the GPU machine,
+# that CI tests, for the MPI engine and its mpiexec; Horovod's source and the
+# cffi and pycparser it needs beside what the machine has, for the seed's own
+# engine built with NCCL GPU operations.) Then, on the GPU machine,
 # from a copy of the repository with .whl/ in it:
 #
 #   bash scripts/gpu_check.sh                 # installs the wheels into a temporary prefix
@@ -34,7 +37,10 @@
 #   * a cell2location-shaped spatial mapping in plain Pyro (benchmarks/spatial_workload.py)
 #     at 3x10^5 spots x 2,000 genes, full batch: plain Pyro at W=1 against W=2 owned on the
 #     one GPU, each worker making and holding its block of counts only: peak GPU memory
-#     per worker and step time.
+#     per worker and step time;
+#   * Horovod, last: built against the machine's torch with NCCL GPU operations
+#     (scripts/install_horovod.sh --gpu, from the source in .whl/), then the quickstart
+#     under horovodrun on the GPU, W=1 (NCCL refuses two workers on one GPU).
 #
 # Other modes, for a machine without a GPU:
 #   --dry-run   checks the plumbing in seconds: the wheels (present and installable for
@@ -52,9 +58,11 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 PY=${PYTHON:-python3}
 WHEEL_DIR=${GPU_CHECK_WHEELS:-$ROOT/.whl}
-WHEELS=(pyro-ppl==1.9.2 pyro-api==0.1.2 mpi4py==4.1.2 mpich==5.0.2)
-# The files those are saved as (mpi4py's is built for CPython 3.12).
-WHEEL_FILES=(pyro_ppl-1.9.2-*.whl pyro_api-0.1.2-*.whl mpi4py-4.1.2-cp312-*.whl mpich-5.0.2-*.whl)
+WHEELS=(pyro-ppl==1.9.2 pyro-api==0.1.2 mpi4py==4.1.2 mpich==5.0.2 cffi==2.1.1 pycparser==3.12)
+# The files those are saved as (mpi4py's and cffi's are built for CPython 3.12).
+WHEEL_FILES=(pyro_ppl-1.9.2-*.whl pyro_api-0.1.2-*.whl mpi4py-4.1.2-cp312-*.whl mpich-5.0.2-*.whl
+             cffi-2.1.1-cp312-*.whl pycparser-3.12-*.whl)
+HOROVOD_SOURCE=horovod-0.28.1.tar.gz
 TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
@@ -67,7 +75,7 @@ case "${1:-}" in
     --dry-run) MODE=dry-run ;;
     --cpu) MODE=cpu ;;
     --download) MODE=download ;;
-    -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,53p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option $1 (see --help)" >&2; exit 2 ;;
 esac
 
@@ -76,6 +84,7 @@ say() { echo "[gpu_check] $*"; }
 download() {
     mkdir -p "$WHEEL_DIR"
     "$PY" -m pip download --no-deps "${TARGET[@]}" -d "$WHEEL_DIR" "${WHEELS[@]}" || exit 1
+    "$PY" -m pip download --no-deps --no-binary :all: -d "$WHEEL_DIR" horovod==0.28.1 || exit 1
     du -sh "$WHEEL_DIR"
 }
 
@@ -96,7 +105,7 @@ EOF
 # The wheels, each present once; pip confirms they install on Python 3.12 x86-64.
 check_wheels() {
     local pattern found
-    for pattern in "${WHEEL_FILES[@]}"; do
+    for pattern in "${WHEEL_FILES[@]}" "$HOROVOD_SOURCE"; do
         found=$(cd "$WHEEL_DIR" && ls $pattern 2>/dev/null | wc -l)
         if [ "$found" != 1 ]; then
             say "FAIL wheels: $found files match $WHEEL_DIR/$pattern (need one)"
@@ -213,6 +222,16 @@ sequence() {
     bench "W=2 mpiexec" "local${LOCAL_NS%% *}" ours-sparse "${mpi[@]}"
     bench "W=1" "$SPATIAL" plain "${one[@]}"
     bench "W=2 torchrun" "$SPATIAL" ours-owned "${torchrun[@]}"
+    if [ "$DEVICE" = cuda ]; then  # a CPU build is the newest lane's (scripts/test_newest.sh)
+        # Into the machine's Python (the wheel has to be where horovodrun's workers
+        # import it), from .whl/ only: the machine reaches no registry.
+        step "Horovod: build with NCCL GPU operations" 300 env \
+            HOROVOD_SDIST="$WHEEL_DIR/$HOROVOD_SOURCE" PYTHON="$PY" PIP_NO_INDEX=1 \
+            PIP_FIND_LINKS="$WHEEL_DIR" PYRO_DISTRIBUTED_CACHE="$scratch/cache" \
+            bash scripts/install_horovod.sh --gpu --no-check \
+            && step "quickstart W=1, horovodrun (horovod engine, NCCL)" 120 \
+                "$PY" -m horovod.runner.launch --gloo -np 1 -H localhost:1 "$PY" examples/quickstart.py
+    fi
     rm -rf "$scratch"
 }
 

@@ -29,6 +29,8 @@
 #                           /usr/local/cuda)
 #   HOROVOD_BUILD_CUDA_CC_LIST  compute capabilities for the GPU kernels
 #                           (default: those of the visible GPUs)
+#   HOROVOD_SDIST           horovod-0.28.1.tar.gz on disk, for a machine that
+#                           reaches no package registry (default: downloaded)
 #   MAKEFLAGS               passed through if set; otherwise -j$(nproc)
 #
 # Why a source build: horovod 0.28.1 is the last release and ships no wheels.
@@ -44,7 +46,7 @@
 # altogether, even against a CUDA build of torch; Horovod's operations then run
 # on CPU tensors over Gloo.
 #
-# The first run compiles for ~3-8 minutes on 2 cores. The wheel is ABI-tied to
+# The first run compiles for ~2-8 minutes on 2 cores (2 idle, 8 busy ones). The wheel is ABI-tied to
 # the torch it was built against, so it is cached per (torch version, python
 # tag, arch, C++ standard, operations); later runs with the same torch just
 # `pip install` the cached wheel.
@@ -96,8 +98,9 @@ py() { (cd "$WORKDIR" && "$PYTHON" "$@"); }
 # One interpreter start (importing torch costs ~2s) to learn the torch
 # version, the python tag, whether a working horovod is already there, torch's
 # CUDA version and visible GPUs (their compute capabilities), torch's guess of
-# CUDA_HOME, and the C++ standard torch's headers ask for.
-# Prints: "PROBE <torch version|-> <python tag> <yes|no> <cuda|-> <ccs|-> <cuda home|-> <std>".
+# CUDA_HOME, the C++ standard torch's headers ask for, and whether the horovod
+# there has NCCL GPU operations.
+# Prints: "PROBE <torch version|-> <python tag> <yes|no> <cuda|-> <ccs|-> <cuda home|-> <std> <yes|no>".
 probe() {
     py - "$HOROVOD_VERSION" 2>/dev/null <<'EOF_PY' | grep '^PROBE ' | tail -n1
 import os, re, sys
@@ -105,13 +108,15 @@ tag = f"{sys.implementation.name[:2]}{sys.version_info[0]}{sys.version_info[1]}"
 try:
     import torch
 except Exception:
-    print("PROBE", "-", tag, "no", "-", "-", "-", "-")
+    print("PROBE", "-", tag, "no", "-", "-", "-", "-", "no")
     sys.exit(0)
 ok = "no"
+nccl = "no"
 try:
     import horovod
-    import horovod.torch  # noqa: F401  (fails if built against another torch)
+    import horovod.torch  # fails if built against another torch
     ok = "yes" if horovod.__version__ == sys.argv[1] else "no"
+    nccl = "yes" if horovod.torch.nccl_built() else "no"
 except Exception:
     pass
 cuda = torch.version.cuda or "-"
@@ -135,11 +140,12 @@ try:
         std = named.group(1)
 except OSError:
     pass
-print("PROBE", torch.__version__, tag, ok, cuda, ccs, home.replace(" ", "?"), std)
+print("PROBE", torch.__version__, tag, ok, cuda, ccs, home.replace(" ", "?"), std, nccl)
 EOF_PY
 }
 
-read -r _ TORCH_VERSION PY_TAG HOROVOD_OK TORCH_CUDA GPU_CCS TORCH_CUDA_HOME CXX_STANDARD <<<"$(probe)" || true
+read -r _ TORCH_VERSION PY_TAG HOROVOD_OK TORCH_CUDA GPU_CCS TORCH_CUDA_HOME CXX_STANDARD HOROVOD_NCCL \
+    <<<"$(probe)" || true
 [[ -n "${PY_TAG:-}" ]] || die "could not run $PYTHON"
 if [[ "$TORCH_VERSION" == "-" ]]; then
     die "torch is not installed in $PYTHON's environment. Install it first, e.g.:
@@ -150,19 +156,33 @@ ARCH="$(uname -m)"
 log "python: $PYTHON ($PY_TAG), torch: $TORCH_VERSION (CUDA: $TORCH_CUDA, GPUs: $GPU_CCS)"
 
 # A CUDA toolkit that can build against: nvcc, the runtime's headers and
-# libcudart, in one folder. Prints the first such folder of those tried.
+# libcudart, in one folder, of torch's CUDA major version (a toolkit of another
+# major would put a second CUDA runtime beside torch's). Prints the first such
+# folder of those tried; says why each other candidate was passed over.
 usable_toolkit() {
-    local root nvcc_path
+    local root nvcc_path release seen=" "
     local -a tried=("${CUDA_HOME:-}" "${TORCH_CUDA_HOME//\?/ }")
     if nvcc_path="$(command -v nvcc 2>/dev/null)"; then
         tried+=("$(dirname "$(dirname "$(readlink -f "$nvcc_path")")")")
     fi
     tried+=(/usr/local/cuda)
     for root in "${tried[@]}"; do
-        [[ -n "$root" && "$root" != "-" ]] || continue
-        [[ -x "$root/bin/nvcc" && -f "$root/include/cuda_runtime.h" ]] || continue
-        compgen -G "$root/lib64/libcudart.so*" >/dev/null || compgen -G "$root/lib/libcudart.so*" >/dev/null \
-            || continue
+        [[ -n "$root" && "$root" != "-" && "$seen" != *" $root "* ]] || continue
+        seen+="$root "
+        if [[ ! -x "$root/bin/nvcc" || ! -f "$root/include/cuda_runtime.h" ]]; then
+            log "not a usable CUDA toolkit: $root (no bin/nvcc or include/cuda_runtime.h)"
+            continue
+        fi
+        if ! compgen -G "$root/lib64/libcudart.so*" >/dev/null && ! compgen -G "$root/lib/libcudart.so*" >/dev/null \
+            && ! compgen -G "$root/lib/$(uname -m)-linux-gnu/libcudart.so*" >/dev/null; then
+            log "not a usable CUDA toolkit: $root (no libcudart)"
+            continue
+        fi
+        release="$("$root/bin/nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9][0-9]*\)\..*/\1/p' | head -n1)"
+        if [[ "$release" != "${TORCH_CUDA%%.*}" ]]; then
+            log "not a usable CUDA toolkit: $root (CUDA ${release:-of unknown release}, torch's is $TORCH_CUDA)"
+            continue
+        fi
         echo "$root"
         return 0
     done
@@ -170,7 +190,7 @@ usable_toolkit() {
 }
 
 TOOLKIT=
-if [[ "$OPERATIONS" != cpu && "$TORCH_CUDA" != "-" ]]; then
+if [[ "$TORCH_CUDA" != "-" && ( "$OPERATIONS" == gpu || ( "$OPERATIONS" == auto && "$GPU_CCS" != "-" ) ) ]]; then
     TOOLKIT="$(usable_toolkit)" || TOOLKIT=
 fi
 case "$OPERATIONS" in
@@ -185,16 +205,21 @@ case "$OPERATIONS" in
             OPERATIONS=cpu
             if [[ "$TORCH_CUDA" != "-" ]]; then
                 if [[ "$GPU_CCS" == "-" ]]; then
-                    log "torch is a CUDA $TORCH_CUDA build but sees no GPU: building CPU operations (Gloo) only"
+                    log "torch is a CUDA $TORCH_CUDA build but sees no GPU: CPU operations (Gloo) only"
                 else
-                    log "no usable CUDA toolkit (nvcc, include/cuda_runtime.h and libcudart in one folder): building CPU operations (Gloo) only; set CUDA_HOME to a full toolkit for NCCL GPU operations"
+                    log "no usable CUDA toolkit (nvcc, include/cuda_runtime.h and libcudart in one folder): CPU operations (Gloo) only; set CUDA_HOME to a full toolkit for NCCL GPU operations"
                 fi
             fi
         fi
         ;;
 esac
 if [[ "$OPERATIONS" == gpu ]]; then
-    OPERATIONS_KEY="nccl-cu${TORCH_CUDA//./}"
+    # The kernels are built for these compute capabilities only: part of the key.
+    HOROVOD_BUILD_CUDA_CC_LIST="${HOROVOD_BUILD_CUDA_CC_LIST:-$GPU_CCS}"
+    [[ "$HOROVOD_BUILD_CUDA_CC_LIST" != "-" ]] \
+        || die "--gpu without a visible GPU: set HOROVOD_BUILD_CUDA_CC_LIST (e.g. 80,90)"
+    export HOROVOD_BUILD_CUDA_CC_LIST
+    OPERATIONS_KEY="nccl-cu${TORCH_CUDA//./}-sm${HOROVOD_BUILD_CUDA_CC_LIST//,/-}"
     log "operations: CPU (Gloo) and GPU (NCCL), CUDA toolkit $TOOLKIT"
 else
     OPERATIONS_KEY=cpu
@@ -205,7 +230,7 @@ log "C++ standard: $CXX_STANDARD (what torch $TORCH_VERSION's headers ask for)"
 # --------------------------------------------------------------------------
 # Already installed?
 # --------------------------------------------------------------------------
-if [[ "$HOROVOD_OK" == yes ]]; then
+if [[ "$HOROVOD_OK" == yes && ( "$OPERATIONS" != gpu || "$HOROVOD_NCCL" == yes ) ]]; then
     log "horovod $HOROVOD_VERSION with torch support is already installed; nothing to do."
     exit 0
 fi
@@ -260,9 +285,6 @@ use_toolkit() {
     export CUDA_HOME="$TOOLKIT" CUDAToolkit_ROOT="$TOOLKIT" HOROVOD_CUDA_HOME="$TOOLKIT"
     export PATH="$TOOLKIT/bin:$PATH"
     export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED
-    export HOROVOD_BUILD_CUDA_CC_LIST="${HOROVOD_BUILD_CUDA_CC_LIST:-$GPU_CCS}"
-    [[ "$HOROVOD_BUILD_CUDA_CC_LIST" != "-" ]] \
-        || die "--gpu without a visible GPU: set HOROVOD_BUILD_CUDA_CC_LIST (e.g. 80,90)"
     if [[ -z "${HOROVOD_NCCL_HOME:-}${HOROVOD_NCCL_INCLUDE:-}" && ! -f "$TOOLKIT/include/nccl.h" ]]; then
         local wheel
         wheel="$(py -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])' 2>/dev/null)" \
@@ -305,11 +327,17 @@ build_wheel() {
         || "${PIP[@]}" install --quiet -c "$CONSTRAINTS" wheel
     "${PIP[@]}" install --quiet -c "$CONSTRAINTS" "${RUNTIME_DEPS[@]}"
 
-    log "downloading horovod==$HOROVOD_VERSION source distribution from PyPI"
-    "${PIP[@]}" download --quiet --no-binary :all: --no-deps -d "$WORKDIR/sdist" "horovod==$HOROVOD_VERSION"
     local sdist
-    sdist="$(ls "$WORKDIR"/sdist/horovod-"$HOROVOD_VERSION".tar.gz 2>/dev/null)" \
-        || die "pip download did not produce horovod-$HOROVOD_VERSION.tar.gz"
+    if [[ -n "${HOROVOD_SDIST:-}" ]]; then
+        [[ -f "$HOROVOD_SDIST" ]] || die "HOROVOD_SDIST: no file $HOROVOD_SDIST"
+        sdist="$HOROVOD_SDIST"
+        log "using the source distribution $sdist"
+    else
+        log "downloading horovod==$HOROVOD_VERSION source distribution from PyPI"
+        "${PIP[@]}" download --quiet --no-binary :all: --no-deps -d "$WORKDIR/sdist" "horovod==$HOROVOD_VERSION"
+        sdist="$(ls "$WORKDIR"/sdist/horovod-"$HOROVOD_VERSION".tar.gz 2>/dev/null)" \
+            || die "pip download did not produce horovod-$HOROVOD_VERSION.tar.gz"
+    fi
     mkdir -p "$WORKDIR/src"
     tar -xzf "$sdist" -C "$WORKDIR/src"
     local src="$WORKDIR/src/horovod-$HOROVOD_VERSION"
@@ -326,15 +354,26 @@ build_wheel() {
         fi
     done
 
-    if [[ "$OPERATIONS" == cpu && "$TORCH_CUDA" != "-" ]]; then
-        # Horovod asks for CUDA whenever torch is a CUDA build and torch.utils
-        # .cpp_extension guesses a CUDA_HOME, usable or not; a CPU build says no.
-        log "patching FindPytorch.cmake: build against torch's CPU side only"
-        f=cmake/Modules/FindPytorch.cmake
-        grep -q 'string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)' "$src/$f" \
-            || die "CPU patch: the Pytorch_CUDA probe was not found in $f; sdist changed?"
-        sed -i 's/^string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)$/&\nset(Pytorch_CUDA FALSE)/' "$src/$f"
-        grep -qx 'set(Pytorch_CUDA FALSE)' "$src/$f" || die "CPU patch did not apply to $f"
+    if [[ "$OPERATIONS" == cpu ]]; then
+        # Horovod enables CUDA wherever an nvcc answers on the PATH or a toolkit
+        # is half found (and stops when it cannot use it), and asks for CUDA
+        # again whenever torch is a CUDA build and torch.utils.cpp_extension
+        # guesses a CUDA_HOME, usable or not. A CPU build says no to both.
+        log "patching CMakeLists.txt and FindPytorch.cmake: CPU operations, CUDA left out"
+        py - "$src" <<'EOF_PY' || die "CPU patch: Horovod's CUDA detection was not found; sdist changed?"
+import pathlib, sys
+src = pathlib.Path(sys.argv[1])
+top = src / "CMakeLists.txt"
+text = top.read_text()
+start = text.index("include(CheckLanguage)\ncheck_language(CUDA)\n")
+end = text.index("    enable_language(CUDA)\nendif()\n", start) + len("    enable_language(CUDA)\nendif()\n")
+top.write_text(text[:start] + "# CPU operations only: CUDA detection left out.\n" + text[end:])
+find = src / "cmake" / "Modules" / "FindPytorch.cmake"
+text = find.read_text()
+probe = 'string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)\n'
+assert text.count(probe) == 1
+find.write_text(text.replace(probe, probe + "set(Pytorch_CUDA FALSE)\n"))
+EOF_PY
     fi
 
     export HOROVOD_WITH_PYTORCH=1
@@ -355,7 +394,7 @@ build_wheel() {
     local build_log
     build_log="$LOG_DIR/build-$CACHE_KEY-$(date +%Y%m%d-%H%M%S).log"
     log "building horovod $HOROVOD_VERSION wheel against torch $TORCH_VERSION (MAKEFLAGS=$MAKEFLAGS);"
-    log "this takes ~3-8 minutes on 2 cores. Full log: $build_log"
+    log "this takes ~2-8 minutes on 2 cores. Full log: $build_log"
     local start=$SECONDS rc=0
     if [[ $VERBOSE == 1 ]]; then
         (cd "$src" && "${PIP[@]}" wheel -v --no-cache-dir --no-build-isolation --no-deps -w "$WORKDIR/dist" .) 2>&1 \
@@ -396,11 +435,14 @@ log "installing $(basename "$WHEEL") (torch pinned to $TORCH_VERSION)"
 # ...then let pip resolve horovod's runtime deps, with torch held in place.
 "${PIP[@]}" install --quiet -c "$CONSTRAINTS" "$WHEEL"
 
-read -r _ NEW_TORCH _ HOROVOD_OK _ <<<"$(probe)" || true
+read -r _ NEW_TORCH _ HOROVOD_OK _ _ _ _ HOROVOD_NCCL <<<"$(probe)" || true
 [[ "$NEW_TORCH" == "$TORCH_VERSION" ]] || die "torch changed from $TORCH_VERSION to $NEW_TORCH during install"
 if [[ "$HOROVOD_OK" != yes ]]; then
     py -c 'import horovod.torch' || true
     die "installed horovod $HOROVOD_VERSION, but 'import horovod.torch' fails"
+fi
+if [[ "$OPERATIONS" == gpu && "$HOROVOD_NCCL" != yes ]]; then
+    die "installed horovod $HOROVOD_VERSION, but horovod.torch.nccl_built() is false"
 fi
 log "horovod $HOROVOD_VERSION installed."
 

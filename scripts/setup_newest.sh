@@ -63,6 +63,9 @@ unset PYRO_DISTRIBUTED_TORCH_INDEX PYRO_DISTRIBUTED_TORCH_WHEEL
 start=$(date +%s)
 # shellcheck disable=SC1091
 . "$ROOT/scripts/setup_env.sh"
+# A venv made earlier by another Python is refused, not reused.
+python -c "import sys; sys.exit(None if sys.version_info[:2] == (3, 13) else \
+f'[setup] {sys.prefix} is a venv of Python {sys.version.split()[0]}, not 3.13: remove it')"
 python -c "import sys, torch, pyro, lightning; print('[setup] Python', sys.version.split()[0], \
 'torch', torch.__version__, 'pyro', pyro.__version__, 'lightning', lightning.__version__)"
 echo "[setup] newest venv $PYRO_DISTRIBUTED_VENV ready in $(( $(date +%s) - start ))s"

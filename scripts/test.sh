@@ -1,27 +1,26 @@
 #!/usr/bin/env bash
-# The project's whole check, as CI runs it, in three lanes on the machine's two
-# cores, because most of a test's time is spent waiting (on a launcher's
-# start-up, a rendezvous, a time-out it checks):
+# The project's whole check, as CI runs it, in three lanes that run side by
+# side on the machine's two cores, because most of a test's time is spent
+# waiting (on a launcher's start-up, a rendezvous, a time-out it checks). Each
+# test runs in one lane:
 #
 # - the main lane: set up the venv (Python 3.11, the pinned CPU torch 2.13.0,
-#   the newest pyro-ppl and Lightning 2.6.6, with the mpi, lightning, docs and
+#   the newest pyro-ppl, Lightning 2.6.6, with the mpi, lightning, docs and
 #   release extras), lint, type-check, check the import layers, build the
 #   documentation site with warnings as errors, build and check the sdist and
-#   wheel and import the wheel from a fresh venv, and run every test but the
-#   Horovod and MPI ones on two pytest workers (-n 2; the Slurm tests stay on
-#   one, tests/conftest.py), Lightning's under its launcher
-#   (tests/test_docs.py checks the built site and runs the docs' code blocks);
-# - in the background, the integrations lane (scripts/test_integrations.sh):
-#   scvi-tools and cell2location trained through the strategy, on the lowest
-#   supported Lightning, in a venv of their own;
-# - then, in the background too, the newest lane (scripts/test_newest.sh): a
-#   new user's stack (Python 3.13, the registry's torch 2.15.0 CUDA build,
-#   pyro-ppl 1.9.2, Lightning 2.6.6), Horovod built against it, mypy against
-#   its annotations, the quick suite, and the Horovod and MPI tests, which run
-#   there only.
+#   wheel and import the wheel from a fresh venv, and run every test that
+#   --quick leaves out (launchers, W=3, the examples and the docs' code, Slurm,
+#   several hosts, Lightning's own launcher) but the Horovod and MPI ones, on
+#   two pytest workers (-n 2; the Slurm tests stay on one, tests/conftest.py);
+# - the integrations lane (scripts/test_integrations.sh): scvi-tools and
+#   cell2location trained through the strategy, on the lowest supported
+#   Lightning, in a venv of their own;
+# - the newest lane (scripts/test_newest.sh): a new user's stack (Python 3.13,
+#   the registry's torch 2.15.0 CUDA build, pyro-ppl 1.9.2, Lightning 2.6.6),
+#   Horovod built against it, mypy against its annotations, the quick suite,
+#   and the Horovod and MPI tests.
 #
-# The background lanes' output is printed when all are done, with each lane's
-# time.
+# The other lanes' output is printed when all are done, with each lane's time.
 #
 #   bash scripts/test.sh [extra pytest arguments]
 #
@@ -55,24 +54,37 @@ PYRO_DISTRIBUTED_EXTRAS=${PYRO_DISTRIBUTED_EXTRAS:-dev,examples,mpi,lightning,do
 LANES=
 started=$SECONDS
 if [[ -z "$QUICK" ]]; then
-    # The background lanes, one after the other (at most two pytest runs share
-    # the cores at any time), each writing its log and "<exit status> <seconds>".
-    # In a process group of its own (set -m), so that stopping it stops every
-    # process it started.
+    # The other lanes, side by side, each writing its log and "<exit status>
+    # <seconds>". In a process group of their own (set -m), so that stopping it
+    # stops every process they started.
     LANES=$(mktemp -d "${TMPDIR:-/tmp}/pyro-distributed-lanes.XXXXXX")
     set -m
     (
+        set +m  # the lanes stay in this group, which stop_lanes signals
         for lane in integrations newest; do
-            lane_started=$SECONDS
-            lane_status=0
-            bash "scripts/test_$lane.sh" "$@" >"$LANES/$lane.log" 2>&1 || lane_status=$?
-            echo "$lane_status $((SECONDS - lane_started))" >"$LANES/$lane.status"
+            (
+                lane_started=$SECONDS
+                lane_status=0
+                bash "scripts/test_$lane.sh" "$@" >"$LANES/$lane.log" 2>&1 || lane_status=$?
+                echo "$lane_status $((SECONDS - lane_started))" >"$LANES/$lane.status"
+            ) &
         done
+        wait
     ) &
     BACKGROUND=$!
     set +m
-    # A main lane that fails stops the other lanes too, and nothing is left running.
-    trap 'kill -- -"$BACKGROUND" 2>/dev/null || true; rm -rf "$LANES"' EXIT
+    # A main lane that fails stops the other lanes too: an interrupt first, so
+    # that pytest tears its fixtures down and stops the launchers they started
+    # (in sessions of their own), then, after up to 10 s, a kill.
+    stop_lanes() {
+        kill -INT -- -"$BACKGROUND" 2>/dev/null || return 0
+        for _ in $(seq 20); do
+            kill -0 -- -"$BACKGROUND" 2>/dev/null || return 0
+            sleep 0.5
+        done
+        kill -KILL -- -"$BACKGROUND" 2>/dev/null || true
+    }
+    trap 'stop_lanes; rm -rf "$LANES"' EXIT
 fi
 
 echo "[test] ruff"
@@ -96,12 +108,14 @@ bash scripts/check_package.sh
 echo "[test] pytest"
 # --durations: the slowest tests in every run's log, to keep the command's time in view.
 # --dist loadgroup: tests marked xdist_group (the Slurm ones) share one worker.
-# The Horovod and MPI tests run in the newest lane.
+# The quick suite and the Horovod and MPI tests run in the newest lane; -m
+# replaces the "not integrations" of pyproject.toml's addopts, so it is said again.
 status=0
-python -m pytest -n 2 --dist loadgroup --durations=25 -m "not (horovod or mpi)" "$@" || status=$?
+python -m pytest -n 2 --dist loadgroup --durations=25 --outside-quick \
+    -m "not (integrations or horovod or mpi)" "$@" || status=$?
 main_seconds=$((SECONDS - started))
 
-echo "[test] waiting for the background lanes"
+echo "[test] waiting for the other lanes"
 wait "$BACKGROUND" || true
 trap - EXIT
 summary="[test] main lane: exit $status in ${main_seconds}s"

@@ -31,7 +31,9 @@ status=0
 echo "[test] newest: mypy"
 "$NEWEST_PYTHON" -m mypy || status=$?
 echo "[test] newest: pytest --quick, then the Horovod and MPI tests"
-"$NEWEST_PYTHON" -m pytest --basetemp "$BASETEMP/quick" --quick -n 2 --durations=5 "$@" || status=$?
-"$NEWEST_PYTHON" -m pytest --basetemp "$BASETEMP/engines" -n 2 --durations=5 \
+# --dist loadgroup: the tests of a module that share one launch stay on one worker.
+"$NEWEST_PYTHON" -m pytest --basetemp "$BASETEMP/quick" --quick -n 2 --dist loadgroup \
+    --durations=5 "$@" || status=$?
+"$NEWEST_PYTHON" -m pytest --basetemp "$BASETEMP/engines" -n 2 --dist loadgroup --durations=5 \
     -m "horovod or mpi" "$@" || status=$?
 exit "$status"

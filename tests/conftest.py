@@ -110,6 +110,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the inner loop: in-process and two-worker torch-engine tests only",
     )
     parser.addoption(
+        "--outside-quick",
+        action="store_true",
+        help="only what --quick leaves out (the test command's main lane; its newest lane "
+        "runs --quick)",
+    )
+    parser.addoption(
         "--cuda",
         action="store_true",
         help=f"run the tests marked cuda (they need a GPU); or set {CUDA_VARIABLE}=1",
@@ -126,11 +132,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # One Slurm node of two CPUs: its steps run one after another, on
             # one pytest worker (-n 2 --dist loadgroup), never two at once.
             item.add_marker(pytest.mark.xdist_group("slurm"))
-    if config.getoption("--quick"):
+    quick, outside_quick = config.getoption("--quick"), config.getoption("--outside-quick")
+    if quick and outside_quick:
+        raise pytest.UsageError("--quick and --outside-quick select no test together")
+    if quick or outside_quick:
         kept: list[pytest.Item] = []
         left_out: list[pytest.Item] = []
         for item in items:
-            (left_out if _left_out_by_quick(item) else kept).append(item)
+            (left_out if _left_out_by_quick(item) == bool(quick) else kept).append(item)
         config.hook.pytest_deselected(items=left_out)
         items[:] = kept
     _deselect_where_unavailable(

@@ -46,8 +46,10 @@ def test_the_dry_run_proves_the_plumbing_without_a_gpu(tmp_path: Path) -> None:
     assert "tests/test_cuda.py::test_two_workers_on_one_gpu_match_one_process[mpi]" in output
     assert "the check stops with: gpu_check: no CUDA device" in output, output
     assert "plan: quickstart W=2, mpiexec (mpi engine)" in output, output
+    assert "plan: Horovod: build with NCCL GPU operations" in output, output
+    assert "install_horovod.sh --gpu" in output, output
     summary = (tmp_path / "summary.md").read_text()
-    assert summary.count("| planned |") == 19, summary
+    assert summary.count("| planned |") == 21, summary
     assert "dry run passed" in output
 
 

@@ -29,7 +29,8 @@ from .launchers import horovodrun_present
 INSTALL_HINT = (
     "Horovod is not installed. Build and install it for your torch with "
     "`bash scripts/install_horovod.sh` from the pyro-distributed repository "
-    "(Horovod 0.28.1 needs a C++17 fix to build against torch >= 2.1)."
+    "(Horovod 0.28.1 builds against torch >= 2.1 only with its C++ standard raised: "
+    "C++17, and C++20 from torch 2.15)."
 )
 
 

@@ -3,7 +3,8 @@
 
 All scenarios of one world size run in a single horovodrun launch (starting
 Horovod costs seconds); each test then checks its own scenario's results.
-Horovod is built by ``scripts/test.sh``; these tests fail, not skip, without it.
+Horovod is built by ``scripts/test_newest.sh`` (the test command's newest lane, which
+runs every test marked ``horovod``); these tests fail, not skip, without it.
 """
 
 from __future__ import annotations
