@@ -35,8 +35,8 @@
 #
 # Why a source build: horovod 0.28.1 is the last release and ships no wheels.
 # It compiles as C++14, but torch's headers need a newer standard, which they
-# name in an #error line (C++17 up to torch 2.14, C++20 from torch 2.15): the
-# sdist is patched to the standard the installed torch's headers ask for.
+# name in an #error line (C++17 in torch 2.13, C++20 in torch 2.15): the sdist
+# is patched to the standard the installed torch's headers ask for.
 # Tested here against torch 2.13 (C++17) and 2.15 (C++20) with GCC 12.
 #
 # A usable CUDA toolkit has bin/nvcc, include/cuda_runtime.h and libcudart.
