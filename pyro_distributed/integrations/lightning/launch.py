@@ -26,7 +26,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 
 from ...engines import Engine, engine_class
 from ...engines.network import choose_gloo_interface
-from ...engines.torch_distributed import check_addresses_before_a_group
+from ...engines.rendezvous_store import check_addresses_before_a_group
 from ...errors import PyroDistributedError
 
 
