@@ -20,13 +20,24 @@ the same way).
 from .agreement import Catalog
 from .averager import Reduction
 from .compression import Compression, compressor
-from .hooks import AverageHook, CommHook, Compressor, GradBucket, Reducing, Waiting, as_hook
+from .hooks import (
+    AverageHook,
+    CommHook,
+    Compressor,
+    GradBucket,
+    NarrowedHook,
+    Reducing,
+    Waiting,
+    as_hook,
+)
 from .low_rank import LowRankHook
+from .overlap import Channel
 from .sync import Exchanged, ExchangePlan, GradientSync
 
 __all__ = [
     "AverageHook",
     "Catalog",
+    "Channel",
     "CommHook",
     "Compression",
     "Compressor",
@@ -35,6 +46,7 @@ __all__ = [
     "GradBucket",
     "GradientSync",
     "LowRankHook",
+    "NarrowedHook",
     "Reducing",
     "Reduction",
     "Waiting",

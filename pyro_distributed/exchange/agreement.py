@@ -173,10 +173,6 @@ class ParameterAgreement:
         # name -> the unconstrained tensor that was synchronised under that name
         self._synced: dict[str, Tensor] = {}
 
-    def forget(self) -> None:
-        """Treat every parameter as new again (after a checkpoint was loaded)."""
-        self._synced.clear()
-
     def propose(self, given: Mapping[str, Tensor]) -> Proposal:
         """This worker's view of the step, before any communication.
 

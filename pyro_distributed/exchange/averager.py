@@ -121,6 +121,7 @@ class GradientAverager:
         group_of = _group_of(params, self._reduction.groups)
         # A norm needs a wide type to be summed in: float32 buckets sum their tail so.
         norm_slot = self.measure_norms and self._hook.tail_dtype(torch.float32) == torch.float32
+        layouts = plan_layouts(params, self._cap_bytes, group_of, norm_slot)
         buckets = [
             # Collective names (Horovod matches on them) come from the tensors' names.
             Bucket(
@@ -130,14 +131,15 @@ class GradientAverager:
                 self._hook,
                 self._engine.world_size,
                 self.measure_norms,
+                index,
             )
-            for layout in plan_layouts(params, self._cap_bytes, group_of, norm_slot)
+            for index, layout in enumerate(layouts)
         ]
         return BucketPlan(tuple(names), params, buckets)
 
-    def average_(self, plan: BucketPlan) -> bool:
+    def average_(self, plan: BucketPlan, step: int = 0) -> bool:
         """Average the gradients of ``plan``'s parameters in place, all buckets at
-        once; return whether every average is finite.
+        once (of the optimizer's ``step``); return whether every average is finite.
 
         A NaN or Inf on any worker reaches the average, so every worker
         returns the same answer.
@@ -145,8 +147,11 @@ class GradientAverager:
         if not plan.params:
             return True
         buckets, hook, engine = plan.buckets, self._hook, self._engine
-        packed = [bucket.packed() for bucket in buckets]
-        if isinstance(hook, AverageHook):
+        last = len(buckets) - 1
+        packed = [
+            bucket.packed(step=step, is_last=index == last) for index, bucket in enumerate(buckets)
+        ]
+        if type(hook) is AverageHook:  # keeps no state: nothing to commit
             # One call for every bucket: the engine may fuse or group the sums.
             world = engine.world_size
             encoded = [hook.encode(one.buffer, one.size, world) for one in packed]
@@ -158,8 +163,9 @@ class GradientAverager:
                 for (wire, context), one in zip(encoded, packed, strict=True)
             ]
         else:
-            reducing = [hook(one, engine) for one in packed]
-            results = [one.wait() for one in reducing]
+            for bucket, one in zip(buckets, packed, strict=True):
+                bucket.sent(hook(one, engine))
+            return all([bucket.receive() for bucket in buckets])
         return all(
             [bucket.received(result) for bucket, result in zip(buckets, results, strict=True)]
         )

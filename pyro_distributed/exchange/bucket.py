@@ -267,7 +267,7 @@ class ResidentBuffer:
 class _InFlight:
     """A bucket's reduction this step: under way, or done."""
 
-    reducing: Reducing | None  # None once done
+    reducing: Reducing | None  # None until sent
     #: The members' gradients when it left (to tell if one changed since).
     grads: list[GradStamp]
     #: The reduced bucket and its tail (flags, norm slot, riders), once done.
@@ -278,9 +278,15 @@ class _InFlight:
         if self.result is None:
             assert self.reducing is not None
             self.result = self.reducing.wait()
-            self.reducing = None
             self.tail = layout.tail(self.result)
         return self.result
+
+    def kept(self, layout: Layout) -> Tensor:
+        """The result, which the step keeps: the hook commits its state."""
+        flat = self.done(layout)
+        assert self.reducing is not None
+        self.reducing.commit()
+        return flat
 
 
 class Bucket:
@@ -292,6 +298,7 @@ class Bucket:
     :param hook: how the bucket travels, shared by the plan's buckets.
     :param world_size: the number of workers.
     :param measure_norms: measure this worker's and the average's squared norms.
+    :param index: the bucket's place in its plan.
     """
 
     def __init__(
@@ -302,9 +309,11 @@ class Bucket:
         hook: CommHook,
         world_size: int,
         measure_norms: bool,
+        index: int = 0,
     ) -> None:
         self.layout = layout
         self.name = name
+        self.index = index
         self._params = params
         self._members = tuple(params[i] for i in layout.members)
         self._shapes = tuple(member.shape for member in self._members)
@@ -348,13 +357,31 @@ class Bucket:
             resident = self._resident = ResidentBuffer(layout, self._members, len(riders))
         return resident.pack(layout.flags, layout.riders_tensor(riders) if riders else None)
 
-    def packed(self, riders: Sequence[float] = (), watch: bool = False) -> GradBucket:
-        """Pack this step's bucket for its hook. With ``watch``, remember the
+    def packed(
+        self,
+        riders: Sequence[float] = (),
+        watch: bool = False,
+        *,
+        step: int = 0,
+        is_last: bool = True,
+    ) -> GradBucket:
+        """Pack this step's bucket for its hook (of the optimizer's ``step``;
+        ``is_last`` in the step's order). With ``watch``, remember the
         members' gradients, for :meth:`stale`."""
         flat = self.pack(riders)
         stamps = [grad_stamp(member) for member in self._members] if watch else []
         self._in_flight = _InFlight(None, stamps)
-        return GradBucket(self.name, flat, self.layout.size, self._shapes, self._world_size, self)
+        return GradBucket(
+            self.name,
+            flat,
+            self.layout.size,
+            self._shapes,
+            self._world_size,
+            self,
+            self.index,
+            is_last,
+            step,
+        )
 
     def sent(self, reducing: Reducing) -> None:
         """The reduction of what :meth:`packed` gave is under way."""
@@ -362,16 +389,26 @@ class Bucket:
         self._in_flight.reducing = reducing
 
     def received(self, result: Tensor) -> bool:
-        """The reduced bucket (from a batch of plain sums): point each member's
-        ``.grad`` at its average; return whether every average is finite."""
+        """The reduced bucket (from a batch of plain sums, whose hook keeps no
+        state): point each member's ``.grad`` at its average; return whether
+        every average is finite."""
         assert self._in_flight is not None, "the bucket was not packed"
         self._in_flight = None
         return self._unpack(result, None)
 
-    def send(self, channel: Engine, riders: Sequence[float] = (), watch: bool = True) -> None:
+    def send(
+        self,
+        channel: Engine,
+        riders: Sequence[float] = (),
+        watch: bool = True,
+        *,
+        step: int = 0,
+        is_last: bool = True,
+    ) -> None:
         """Start this bucket's hook on ``channel`` (collectives made by every
         worker in the same order); :meth:`receive` finishes it."""
-        self.sent(self._hook(self.packed(riders, watch), channel))
+        bucket = self.packed(riders, watch, step=step, is_last=is_last)
+        self.sent(self._hook(bucket, channel))
 
     def stale(self) -> bool:
         """Whether a member's gradient changed since the bucket left (sent with ``watch``)."""
@@ -388,11 +425,12 @@ class Bucket:
         return self.layout.riders(in_flight.tail)
 
     def receive(self) -> bool:
-        """Wait for the reduction and point each member's ``.grad`` at its
-        average; return whether every average is finite."""
+        """Wait for the reduction, keep it (the hook commits its state) and
+        point each member's ``.grad`` at its average; return whether every
+        average is finite."""
         in_flight = self._in_flight
         assert in_flight is not None, "the bucket was not sent"
-        flat = in_flight.done(self.layout)
+        flat = in_flight.kept(self.layout)
         self._in_flight = None
         return self._unpack(flat, in_flight.tail)
 
@@ -401,9 +439,10 @@ class Bucket:
         return self._hook.tail_dtype(self.layout.dtype)
 
     def discard(self) -> None:
-        """Finish a reduction still under way, and drop it."""
+        """Finish a reduction still under way, and drop it: the hook keeps
+        nothing of it (its result, if already waited for, is not committed)."""
         in_flight = self._in_flight
-        if in_flight is not None and in_flight.reducing is not None:
+        if in_flight is not None and in_flight.reducing is not None and in_flight.result is None:
             in_flight.reducing.drop()
         self._in_flight = None
 

@@ -10,15 +10,37 @@ the result) is the bucket's, so a new compression is one hook in one file.
 :class:`AverageHook` is the exact average every optimizer uses by default;
 with a narrowing compressor (``compression="fp16"`` or ``"bf16"``, or a
 Horovod ``Compression``) it divides by the world size before the sum, which
-then cannot overflow the narrow type. A hook may keep state across steps
-(:class:`~.low_rank.LowRankHook` keeps its error feedback); a plain function
-``(bucket, engine) -> Reducing`` becomes a hook with :func:`as_hook`.
+then cannot overflow the narrow type. A plain function ``(bucket, engine) ->
+Reducing`` becomes a hook with :func:`as_hook`. ``compression=`` together
+with ``comm_hook=`` runs the hook on the bucket cast to the narrow type
+(:class:`NarrowedHook`).
+
+**A hook that keeps state across steps** (:class:`~.low_rank.LowRankHook`
+keeps its error feedback) follows four rules, which make a resumed or
+rolled-back run continue exactly:
+
+* keep state by :attr:`GradBucket.name` (the same on every worker and in
+  every process of the run), and read the step from :attr:`GradBucket.step`,
+  which a bucket sent again in the same step does not advance;
+* change it only in :meth:`Reducing.commit`, which runs once for the result
+  a step keeps; a result dropped (:meth:`Reducing.drop`: the bucket is sent
+  again, or the step runs without it) never commits;
+* return it from :meth:`CommHook.state_dict` as plain data (tensors, numbers,
+  strings, lists, dicts), which checkpoints save for every worker, and take it
+  back in :meth:`CommHook.load_state_dict`; loading ``{}`` starts afresh;
+* be picklable, as launched workers receive their optimizer pickled.
+
+The optimizer tells its hook when the step's state ends: a loaded checkpoint
+(:func:`~pyro_distributed.load_checkpoint`, Lightning's, a launch's
+``resume=``) hands it the state saved for this worker, and ``optim.forget()``
+hands it ``{}``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -32,6 +54,7 @@ __all__ = [
     "CommHook",
     "Compressor",
     "GradBucket",
+    "NarrowedHook",
     "Reducing",
     "Waiting",
     "as_hook",
@@ -53,8 +76,9 @@ class GradBucket:
         counts = bucket.tail()  # sum these exactly
     """
 
-    #: A name unique to the bucket and the same on every worker (Horovod pairs
-    #: collectives by name).
+    #: A name unique to the bucket and the same on every worker and in every
+    #: process of the run (it follows the members' names): what a stateful
+    #: hook keys its state by, and what Horovod pairs collectives by.
     name: str
     buffer: Tensor
     #: How many gradient values the buffer starts with.
@@ -62,11 +86,17 @@ class GradBucket:
     #: The members' shapes, in the buffer's order.
     shapes: tuple[torch.Size, ...]
     world_size: int
-    #: The bucket packed here, the same object step after step for as long as
-    #: the exchange keeps its plan: a stateful hook keys its state by it
-    #: (weakly), so that state ends when the plan does (new tensors, a loaded
-    #: checkpoint).
-    owner: object
+    #: The bucket packed here (the same object while the exchange keeps its plan).
+    owner: object = None
+    #: The bucket's place in the step's plan, from 0 (the same on every worker).
+    index: int = 0
+    #: Whether it is the last bucket of the step's order: the one that leaves
+    #: at the optimizer call. A bucket sent again because a gradient changed
+    #: after it left may follow it, in the same step.
+    is_last: bool = True
+    #: The optimizer steps taken before this one (restored with a
+    #: checkpoint); a bucket sent again in the same step carries the same.
+    step: int = 0
 
     def gradients(self) -> Tensor:
         """The gradient values (a view of ``buffer``)."""
@@ -102,11 +132,17 @@ class Reducing(ABC):
     @abstractmethod
     def wait(self) -> Tensor:
         """The bucket, its gradients averaged and its tail summed (may start
-        further collectives; every worker waits in the same order)."""
+        further collectives; every worker waits in the same order). Changes no
+        state the hook keeps across steps: that is :meth:`commit`'s."""
+
+    def commit(self) -> None:  # noqa: B027 (a default that does nothing, by design)
+        """The step keeps this result (called once, after :meth:`wait`): update
+        what the hook keeps across steps. By default there is nothing to keep."""
 
     def drop(self) -> None:
-        """Finish what is on the wire and keep nothing (the step resends or
-        runs without it); a stateful hook leaves its state as it was."""
+        """Finish what is on the wire and keep nothing (the bucket is sent again,
+        or the step runs without it): :meth:`commit` is not called. By
+        default, :meth:`wait`."""
         self.wait()
 
 
@@ -155,6 +191,22 @@ class CommHook(ABC):
     def to_mean(self, world_size: int) -> float:
         """What turns a reduced gradient into a mean over workers: the divisor."""
         return 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this worker's hook keeps across steps, as plain data (saved in
+        checkpoints, one per worker); ``{}`` for a hook that keeps nothing."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (a :meth:`state_dict`); ``{}`` starts afresh.
+
+        :raises ValueError: for state this hook does not keep.
+        """
+        if state:
+            raise ValueError(
+                f"{type(self).__name__} keeps no state across steps, but was given "
+                f"state with entries {sorted(map(str, state))}: it was saved with another hook"
+            )
 
 
 class Waiting(Reducing):
@@ -260,6 +312,80 @@ class AverageHook(CommHook):
 
 def _scaled(tensor: Tensor, factor: float) -> Tensor:
     return tensor.mul_(factor) if factor != 1.0 else tensor
+
+
+class NarrowedHook(CommHook):
+    """Another hook, run on the bucket cast to a narrower type: what
+    ``compression="fp16"`` (or ``"bf16"``) does together with ``comm_hook=``.
+
+    The bucket is cast (gradients and tail) before ``hook`` starts, ``hook``
+    reduces the narrow copy, and its result is cast back into the bucket's
+    type. The tail is summed in the narrow type, exactly (riders are cut in
+    pieces small enough for it). Unlike ``compression`` alone, which divides
+    by the world size before the sum, the wrapped hook decides where it
+    divides: one that sums first (as :class:`~.low_rank.LowRankHook` does)
+    overflows fp16 above 65504 where the sum of W gradients does (a non-finite
+    step, skipped or refused by ``nonfinite`` on every worker alike); bf16
+    keeps fp32's range.
+
+    :param hook: the hook to run in the narrow type.
+    :param compressor: the cast, for example ``pyro_distributed.exchange.compression.FP16``.
+
+    Example, low-rank factors sent in bf16::
+
+        optim = pd.DistributedOptimizer(
+            pyro.optim.Adam({"lr": 1e-3}), comm_hook=pd.LowRankHook(rank=4), compression="bf16"
+        )
+    """
+
+    in_place = False
+
+    def __init__(self, hook: CommHook, compressor: Compressor) -> None:
+        self.hook, self.compressor = hook, compressor
+
+    def __call__(self, bucket: GradBucket, engine: Engine) -> Reducing:
+        wire, context = self.compressor.compress(bucket.buffer)
+        narrow = dataclasses.replace(bucket, buffer=wire)
+        return _Widened(self.hook(narrow, engine), self.compressor, context)
+
+    def tail_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        # device='cpu': only the type of what the compressor returns is read.
+        probe = torch.zeros(2, dtype=dtype, device="cpu")
+        wire = self.compressor.compress(probe)[0]
+        return self.hook.tail_dtype(wire.dtype) if wire.shape == probe.shape else None
+
+    def alone_(self, tensor: Tensor, world_size: int) -> Tensor:
+        wire, context = self.compressor.compress(tensor)
+        averaged = self.hook.alone_(wire, world_size)
+        return tensor.copy_(self.compressor.decompress(averaged, context))
+
+    def to_mean(self, world_size: int) -> float:
+        return self.hook.to_mean(world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.hook.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.hook.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"NarrowedHook({self.hook!r}, {self.compressor!r})"
+
+
+class _Widened(Reducing):
+    """A narrowed bucket's reduction, cast back to the bucket's type."""
+
+    def __init__(self, inner: Reducing, compressor: Compressor, context: Any) -> None:
+        self._inner, self._compressor, self._context = inner, compressor, context
+
+    def wait(self) -> Tensor:
+        return self._compressor.decompress(self._inner.wait(), self._context)
+
+    def commit(self) -> None:
+        self._inner.commit()
+
+    def drop(self) -> None:
+        self._inner.drop()
 
 
 class _FunctionHook(CommHook):

@@ -16,12 +16,19 @@ Members that would not shrink by at least ``min_compression``, vectors, and
 the bucket's tail travel exactly, in the first of the two sums. Every worker
 computes the same factors from the same sums, so parameters stay identical
 on every worker; only the error, which stays on its worker, differs.
+
+The hook keeps, per bucket (by its name) and compressed member, Q and this
+worker's error; :meth:`LowRankHook.state_dict` returns them as plain data,
+which checkpoints save for every worker, so a resumed run continues bitwise.
+The warm-up counts the optimizer's steps (:attr:`GradBucket.step`), which a
+checkpoint restores and a bucket sent again does not advance.
 """
 
 from __future__ import annotations
 
-import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,8 +44,8 @@ class LowRankHook(CommHook):
     """Sends each large gradient matrix as two rank-``rank`` factors (module docstring).
 
     :param rank: the rank of the approximation.
-    :param warmup_steps: the steps each bucket is averaged exactly before
-        compression starts (the early gradients change fastest).
+    :param warmup_steps: the optimizer steps in which every bucket is averaged
+        exactly before compression starts (the early gradients change fastest).
     :param min_compression: compress an ``n x m`` matrix only where it holds at
         least this many times the values of its factors:
         ``n * m >= min_compression * rank * (n + m)``.
@@ -83,23 +90,67 @@ class LowRankHook(CommHook):
         self.min_compression = float(min_compression)
         self.error_feedback = error_feedback
         self.seed = seed
-        # By the bucket's owner, weakly: a new plan of buckets starts afresh.
-        self._buckets: weakref.WeakKeyDictionary[object, _BucketState] = weakref.WeakKeyDictionary()
+        # By the bucket's name, which every worker and every process of the
+        # run share; a bucket of other shapes under a known name starts afresh.
+        self._buckets: dict[str, _BucketState] = {}
 
     def __call__(self, bucket: GradBucket, engine: Engine) -> Reducing:
         state = self._state(bucket)
-        if state.steps < self.warmup_steps or not state.matrices:
-            state.steps += 1
+        if bucket.step < self.warmup_steps or not state.matrices:
             pending = engine.allreduce_async_(bucket.buffer, "sum", bucket.name)
             return _Exact(pending, bucket)
         return _LowRank(self, state, bucket, engine)
 
     def _state(self, bucket: GradBucket) -> _BucketState:
-        state = self._buckets.get(bucket.owner)
+        state = self._buckets.get(bucket.name)
         if state is None or state.shapes != bucket.shapes:
             state = _BucketState(bucket.shapes, self._matrices(bucket))
-            self._buckets[bucket.owner] = state
+            self._buckets[bucket.name] = state
         return state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per bucket, by name: its members' shapes, and for each compressed
+        member the warm-start Q and this worker's error (plain data; the
+        tensors are the hook's own, not copies)."""
+        return {
+            name: {
+                "shapes": [list(shape) for shape in state.shapes],
+                "matrices": list(state.matrices),
+                "q": list(state.q),
+                "error": list(state.error),
+            }
+            for name, state in self._buckets.items()
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (a :meth:`state_dict`, this worker's); ``{}``
+        starts afresh.
+
+        :raises ValueError: naming the bucket, for state of another shape.
+        """
+        buckets = {}
+        for name, saved in state.items():
+            try:
+                shapes = tuple(torch.Size(shape) for shape in saved["shapes"])
+                matrices = [int(index) for index in saved["matrices"]]
+                q, error = list(saved["q"]), list(saved["error"])
+                fits = all(isinstance(t, Tensor) for t in (*q, *error)) and len(q) in (
+                    0,
+                    len(matrices),
+                )
+                fits = fits and len(error) in (0, len(q))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"LowRankHook: the state of bucket {name!r} is not a LowRankHook's "
+                    f"({type(exc).__name__}: {exc})"
+                ) from exc
+            if not fits:
+                raise ValueError(
+                    f"LowRankHook: the state of bucket {name!r} holds {len(q)} factors and "
+                    f"{len(error)} errors for {len(matrices)} compressed members"
+                )
+            buckets[name] = _BucketState(shapes, matrices, q, error)
+        self._buckets = buckets
 
     def _matrices(self, bucket: GradBucket) -> list[int]:
         """The members worth compressing, by index."""
@@ -124,7 +175,6 @@ class _BucketState:
     shapes: tuple[torch.Size, ...]
     #: The members compressed, by index.
     matrices: list[int]
-    steps: int = 0
     #: Per compressed member: the warm-start Q (m x r) and this worker's error (n x m).
     q: list[Tensor] = field(default_factory=list)
     error: list[Tensor] = field(default_factory=list)
@@ -158,18 +208,17 @@ class _LowRank(Reducing):
         self._matrices = [
             pieces[index].reshape(pieces[index].shape[0], -1) for index in state.matrices
         ]
-        if not state.q:
-            state.q = _first_q(self._matrices, hook.rank, hook.seed, bucket.buffer.dtype)
-            state.error = (
-                [torch.zeros_like(m) for m in self._matrices] if hook.error_feedback else []
-            )
+        self._q = state.q or _first_q(self._matrices, hook.rank, hook.seed, bucket.buffer.dtype)
+        self._feedback = hook.error_feedback
         # M plus last step's error: new tensors, so the bucket's buffer is free for the result.
         self._m = (
             [m + e for m, e in zip(self._matrices, state.error, strict=True)]
             if state.error
             else [m.clone() for m in self._matrices]
         )
-        ps = [m @ q for m, q in zip(self._m, state.q, strict=True)]
+        #: What commit() keeps: the new Q and errors (``None``: start afresh).
+        self._kept: tuple[list[Tensor], list[Tensor]] | None = None
+        ps = [m @ q for m, q in zip(self._m, self._q, strict=True)]
         self._first = torch.cat(
             [
                 *(piece.reshape(-1) for piece in self._exact),
@@ -183,7 +232,7 @@ class _LowRank(Reducing):
         )
 
     def wait(self) -> Tensor:
-        bucket, state = self._bucket, self._state
+        bucket = self._bucket
         assert self._pending is not None
         self._pending.wait()
         self._pending = None
@@ -220,16 +269,18 @@ class _LowRank(Reducing):
             piece.copy_(exact[offset : offset + piece.numel()].view_as(piece))
             offset += piece.numel()
         tail.copy_(summed_tail)
+        errors = []
         for index, (matrix, p, q) in enumerate(zip(self._matrices, ps, qs, strict=True)):
             torch.mm(p, q.T, out=matrix)  # a view of the bucket's buffer
-            if state.error and finite:
-                torch.sub(self._m[index], matrix, out=state.error[index])
-        if finite:
-            state.q = qs
-        else:
-            # A NaN or Inf gradient (the step is skipped) must not poison later steps.
-            state.q, state.error = [], []
+            if self._feedback and finite:
+                errors.append(self._m[index].sub_(matrix))  # M is not needed after this
+        # A NaN or Inf gradient (the step is skipped) must not poison later steps.
+        self._kept = (qs, errors) if finite else ([], [])
         return bucket.buffer
+
+    def commit(self) -> None:
+        assert self._kept is not None, "commit() follows wait()"
+        self._state.q, self._state.error = self._kept
 
     def drop(self) -> None:
         if self._pending is not None:

@@ -76,12 +76,35 @@ def _remove(handles: list[RemovableHandle]) -> None:
     handles.clear()
 
 
-class BackwardOverlap:
-    """Sends a plan's buckets from backward hooks; see the module docstring."""
+class Channel:
+    """The engine's channel for buckets sent from backward: opened at its first
+    use (a collective, made by every worker at the same step) and kept by the
+    optimizer for every overlap it makes, so that a new one opens nothing."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._channel: Engine | None = None
+        self._opened: Engine | None = None
+
+    def get(self) -> Engine:
+        """The channel, opened now if it was not yet."""
+        if self._opened is None:
+            self._opened = self._engine.open_channel()
+        return self._opened
+
+
+class BackwardOverlap:
+    """Sends a plan's buckets from backward hooks; see the module docstring.
+
+    :param engine: the engine whose workers send.
+    :param channel: where the buckets travel, opened when the overlap arms
+        (by default, a channel of its own).
+    """
+
+    def __init__(self, engine: Engine, channel: Channel | None = None) -> None:
+        self._engine = engine
+        self._channel = Channel(engine) if channel is None else channel
+        #: The optimizer steps taken before the step whose buckets go out now.
+        self.step = 0
         self._phase: Phase = "idle"
         # The buckets the hooks send (the step plan's; see after_step).
         self._plan = _NO_PLAN
@@ -118,12 +141,11 @@ class BackwardOverlap:
         """Whether the hooks send the buckets of ``plan`` (and no other)."""
         return plan is self._plan
 
-    def reset(self) -> None:
-        """Remove the hooks and forget the plan (after a checkpoint was loaded)."""
+    def close(self) -> None:
+        """Drop what is on the wire and remove the hooks: this overlap sends no more."""
         self._drain()
         _remove(self._hooks)
         self._phase, self._plan = "idle", _NO_PLAN
-        self._expected, self._fires, self._sizes = [], [], []
 
     def after_step(self, plan: BucketPlan) -> None:
         """Prepare the next step; called on every worker after every step, with
@@ -164,7 +186,7 @@ class BackwardOverlap:
         buckets = self._plan.buckets
         for index in self._order:
             if resend[index]:
-                buckets[index].discard()  # a stateful hook keeps nothing of it
+                buckets[index].discard()  # a stateful hook commits nothing of it
                 self._send(index)
         finite = True
         for bucket in buckets:
@@ -212,8 +234,7 @@ class BackwardOverlap:
         bits = None if dtype is None else digest_bits(dtype, self._engine.world_size)
         self._carrier = None if bits is None else last
         self._digest_bits = bits or 8
-        if self._channel is None:
-            self._channel = self._engine.open_channel()
+        self._channel.get()  # opened now, at the same step on every worker
         self._phase = "armed"
         if not self._early:
             # One bucket, the carrier, which leaves at the call: the hooks have
@@ -254,10 +275,15 @@ class BackwardOverlap:
         return len(self._order) - (self._carrier is not None)
 
     def _send(self, index: int, riders: Sequence[float] = ()) -> None:
-        assert self._channel is not None
         # The carrier is packed at the call, after every backward pass: it
         # cannot go stale, and its members' gradients need no watching.
-        self._plan.buckets[index].send(self._channel, riders, watch=index != self._carrier)
+        self._plan.buckets[index].send(
+            self._channel.get(),
+            riders,
+            watch=index != self._carrier,
+            step=self.step,
+            is_last=not self._order or index == self._order[-1],
+        )
 
 
 #: The plan of an overlap that watches nothing (before the first step, after a reset).

@@ -55,7 +55,7 @@ from .agreement import (
     digests_equal,
 )
 from .averager import BucketPlan, GradientAverager, Reduction
-from .overlap import BackwardOverlap
+from .overlap import BackwardOverlap, Channel
 
 
 class ExchangePlan:
@@ -73,8 +73,8 @@ class ExchangePlan:
       differ from the last step's (workers that disagree, a borrowed tensor);
       a new plan of the tensors of the last step starts from its buckets.
 
-    The owner may not change the mapping it planned, and drops the plan when
-    it calls :meth:`GradientSync.forget` (a plan made before it is stale).
+    The owner may not change the mapping it planned, and drops the plan with
+    the exchange that made it (:meth:`GradientSync.close`).
     """
 
     def __init__(self, proposal: Proposal) -> None:
@@ -116,6 +116,13 @@ class GradientSync:
     :param overlap: start buckets during backward.
     :param measure_norms: measure squared norms for :meth:`squared_norms`.
     :param catalog_name: what the catalog is called in error messages.
+    :param channel: where the overlap's buckets travel; kept by the caller
+        across the exchanges it makes (by default, one of this exchange's own).
+
+    An exchange lives for one epoch of its owner's steady state: what it
+    learned (which tensors were synchronised, the overlap's hooks and order,
+    the last buckets) ends with it. :meth:`close` ends it; its owner then
+    makes a new one (:class:`pyro_distributed.optim.reducer.Reducer`).
     """
 
     def __init__(
@@ -127,11 +134,12 @@ class GradientSync:
         overlap: bool = True,
         measure_norms: bool = False,
         catalog_name: str = "param store",
+        channel: Channel | None = None,
     ) -> None:
         self._world_size = engine.world_size
         self._agreement = ParameterAgreement(engine, cap_bytes, catalog_name)
         self._averager = GradientAverager(engine, cap_bytes, reduction, measure_norms)
-        self._overlap = BackwardOverlap(engine) if overlap else None
+        self._overlap = BackwardOverlap(engine, channel) if overlap else None
         self._last_buckets: BucketPlan | None = None
 
     @property
@@ -156,7 +164,12 @@ class GradientSync:
         return ExchangePlan(self._agreement.propose(given))
 
     def exchange(
-        self, plan: ExchangePlan, catalog: Catalog, *, nonfinite_here: bool = False
+        self,
+        plan: ExchangePlan,
+        catalog: Catalog,
+        *,
+        nonfinite_here: bool = False,
+        step: int = 0,
     ) -> Exchanged:
         """Average the gradients of ``plan``'s tensors (a collective: every worker calls it).
 
@@ -167,6 +180,8 @@ class GradientSync:
             parameter's) is NaN or Inf on this worker. It rides in the header,
             so that every worker's ``finite`` says "no worker has one" without
             a collective of its own.
+        :param step: the optimizer steps taken before this one (what hooks
+            see as :attr:`~.hooks.GradBucket.step`).
         :raises PyroDistributedError: when the workers' tensors cannot be
             reconciled (missing somewhere, different shapes), naming them.
         """
@@ -176,21 +191,23 @@ class GradientSync:
         if overlap is None or not overlap.armed:
             settlement = self._agreement.settle(proposal, catalog, [flag])
             plan.proposal = settlement.proposal
-            step, nonfinite_somewhere = settlement.step, settlement.riders[0] > 0
-            buckets = self._buckets(plan, step)
-            finite = self._averager.average_(buckets)
+            agreed, nonfinite_somewhere = settlement.step, settlement.riders[0] > 0
+            buckets = self._buckets(plan, agreed)
+            finite = self._averager.average_(buckets, step)
         else:
-            step, buckets, finite, nonfinite_somewhere = self._exchange_overlapped(
-                plan, catalog, overlap, flag
+            overlap.step = step  # buckets that did not leave during backward
+            agreed, buckets, finite, nonfinite_somewhere = self._exchange_overlapped(
+                plan, catalog, overlap, flag, step
             )
         self._last_buckets = buckets
         if overlap is not None:
             overlap.after_step(buckets)
+            overlap.step = step + 1
         # The buckets' tuples, which are the same objects while the tensors are
         # (a proposal made again has tuples of its own): the front end's plan
         # recognises the step by them (optim.reducer.Plan.follow).
         return Exchanged(
-            buckets.names, buckets.params, step.borrowed, finite and not nonfinite_somewhere
+            buckets.names, buckets.params, agreed.borrowed, finite and not nonfinite_somewhere
         )
 
     def _buckets(self, plan: ExchangePlan, step: StepParams) -> BucketPlan:
@@ -209,7 +226,12 @@ class GradientSync:
         return plan.buckets
 
     def _exchange_overlapped(
-        self, plan: ExchangePlan, catalog: Catalog, overlap: BackwardOverlap, flag: int
+        self,
+        plan: ExchangePlan,
+        catalog: Catalog,
+        overlap: BackwardOverlap,
+        flag: int,
+        number: int,
     ) -> tuple[StepParams, BucketPlan, bool, bool]:
         """The step, its buckets, whether its averages are finite, and whether
         some worker's ``flag`` (a non-finite gradient that does not travel) was
@@ -241,7 +263,7 @@ class GradientSync:
         if agreed and overlap.sends(buckets):
             return step, buckets, overlap.finish(resend), raised
         overlap.discard()
-        return step, buckets, self._averager.average_(buckets), raised
+        return step, buckets, self._averager.average_(buckets, number), raised
 
     def average_alone_(self, tensor: Tensor) -> Tensor:
         """``tensor``, in place, as the exchange would average it if every other
@@ -255,13 +277,11 @@ class GradientSync:
         assert self._last_buckets is not None, "no exchange yet"
         return self._averager.squared_norms(self._last_buckets)
 
-    def forget(self) -> None:
-        """Treat every tensor as new again and drop the overlap's plan (after the
-        tensors were replaced, for example by loading a checkpoint); every
-        :class:`ExchangePlan` made before is stale: make new ones."""
-        self._agreement.forget()
+    def close(self) -> None:
+        """End this exchange: drop what is on the wire and remove the overlap's
+        hooks. Its plans are stale; a new exchange treats every tensor as new."""
         if self._overlap is not None:
-            self._overlap.reset()
+            self._overlap.close()
 
 
 def _holds(buckets: BucketPlan, step: StepParams) -> bool:

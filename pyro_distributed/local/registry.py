@@ -135,7 +135,7 @@ def register(
     _local[param.name] = (param, weakref.ref(tensor))
 
 
-def forget(names: Iterable[str]) -> None:
+def unregister(names: Iterable[str]) -> None:
     """Drop the record of these parameters (after a checkpoint replaced them)."""
     global _generation
     _generation += 1

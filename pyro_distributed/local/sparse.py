@@ -285,7 +285,7 @@ def _summed(name: str, tensor: Tensor, entry: _Uses) -> RowGradients | None:
     return RowGradients(name, tensor, axis, distinct, summed)
 
 
-def forget(names: Iterable[str] | None = None) -> None:
+def drop_reads(names: Iterable[str] | None = None) -> None:
     """Drop the recorded reads (of ``names``, or all): their parameters were replaced."""
     if names is None:
         _pending.clear()

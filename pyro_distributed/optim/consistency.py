@@ -12,11 +12,21 @@ left out: each worker holds its own rows of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import pyro
+from torch import Tensor
 
 from .. import runtime
+from ..consensus import ABSENT, require_agreement
+from ..digest import digest
+from ..engines import Engine
+from ..local.registry import local_params
 from .module_buffers import named_buffers, trained_modules
-from .reducer import FrontEnd, compare_across_workers
+
+if TYPE_CHECKING:
+    from .front_end import FrontEnd
 
 
 def assert_in_sync(optim: FrontEnd | None = None) -> None:
@@ -47,3 +57,50 @@ def assert_in_sync(optim: FrontEnd | None = None) -> None:
     tensors = dict(pyro.get_param_store().named_parameters())
     buffers = dict(named_buffers(trained_modules(list(tensors.values()))))
     compare_across_workers(runtime.current_engine(), tensors, buffers, None)
+
+
+def compare_across_workers(
+    engine: Engine,
+    tensors: dict[str, Tensor],
+    buffers: dict[str, Tensor],
+    state: dict[str, Any] | None,
+) -> None:
+    """:func:`~pyro_distributed.assert_in_sync` on what it reads: parameters
+    (local ones left out: each worker holds its own rows), module buffers and,
+    where given, optimizer state by parameter name."""
+    local = local_params()
+    values: dict[str, Any] = {
+        f"parameter {name!r}": value for name, value in sorted(tensors.items()) if name not in local
+    }
+    values.update((f"buffer {name!r}", value) for name, value in buffers.items())
+    if state is not None:
+        values.update(
+            (f"optimizer state of {name!r}", state[name])
+            for name in sorted(state, key=str)
+            if name not in local
+        )
+    require_identical(engine, values)
+
+
+def _drifted(name: str, split: str) -> str:
+    return f"workers have drifted apart: {name} differs ({split})"
+
+
+def require_identical(
+    engine: Engine,
+    values: dict[str, Any],
+    message: Callable[[str, str], str] = _drifted,
+    absent: str = "none",
+) -> None:
+    """The drift check, the one every caller makes: a digest of each of
+    ``values`` (by the label a message names it with), compared in one
+    collective; every worker raises
+    :class:`~pyro_distributed.PyroDistributedError` with ``message(label,
+    split)`` for the first that differs (``absent`` where a worker lacks it).
+    """
+    require_agreement(
+        engine,
+        {label: digest(value) for label, value in values.items()},
+        message=message,
+        describe=lambda value: absent if value is ABSENT else f"version {value}",
+    )

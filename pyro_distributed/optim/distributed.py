@@ -3,11 +3,12 @@
 It wraps the user's optimizer instead of rebuilding it: clipping, schedulers,
 per-parameter arguments and state all stay the wrapped optimizer's own code.
 Everything around the gradient exchange is the reducer's
-(:class:`~pyro_distributed.optim.reducer.Reducer`), which knows the
-parameters by their param-store names (:class:`ParamStoreNames`); this front
-end steps the wrapped optimizer between the reducer's two calls (one
-multi-tensor optimizer where that is exact, and the rows of sparse local
-parameters), so that clipping sees the averaged gradient.
+(:class:`~pyro_distributed.optim.reducer.Reducer`); this front end hands it
+the parameters by their param-store names, once per plan, and the param
+store as the exchange's catalog (:class:`ParamStoreCatalog`), and steps the
+wrapped optimizer between the reducer's calls (one multi-tensor optimizer
+where that is exact, and the rows of sparse local parameters), so that
+clipping sees the averaged gradient.
 
 With one worker it does none of it but the step, and costs nothing.
 """
@@ -15,7 +16,7 @@ With one worker it does none of it but the step, and costs nothing.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import pyro
@@ -26,9 +27,11 @@ from torch import Tensor
 from ..checks import check_bool
 from ..engines import Engine
 from ..exchange import CommHook, Compression, GradBucket, Reducing
+from ..pyro_internals import stored_unconstrained
+from .front_end import FrontEnd
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
 from .options import DEFAULTS, ReducerOptions
-from .reducer import FrontEnd, Reduced, Reducer
+from .reducer import Reduced, Reducer
 from .schedulers import step_schedulers
 from .sparse_step import SparseStepper
 
@@ -213,7 +216,7 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         self._stepper = GroupedStepper(pyro_optim) if grouped else None
         # Steps the rows of local_updates="sparse" parameters (optim.sparse_step).
         self._sparse = SparseStepper(pyro_optim)
-        self._reducer = Reducer(engine, options, ParamStoreNames(), pyro_optim.get_state)
+        self._reducer = Reducer(engine, options, ParamStoreCatalog(), "param store")
         #: What the next step must step, after a checkpoint was loaded (names, file).
         self._expected: tuple[frozenset[str], str] | None = None
         for hook in list(_ON_CREATED):
@@ -246,20 +249,19 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         params, sparse = self._sparse.take(params)
         # SVI hands over a new set of the same tensors at every step: the same
         # ids, the same plan (one pass, in C).
-        reduced = self._reducer.reduce(frozenset(map(id, params)), params, sparse)
+        reducer, key = self._reducer, frozenset(map(id, params))
+        plan = reducer.plan_for(key) or reducer.new_plan(key, _by_store_name(params))
+        reduced = reducer.reduce(plan, sparse)
         try:
             if reduced.finite:
                 self._step_wrapped(reduced, args, kwargs)
         finally:
-            self._reducer.done(reduced)
+            self._finish(reduced)
 
     def _step_wrapped(self, reduced: Reduced, args: Any, kwargs: Any) -> None:
         """Step the wrapped optimizer on ``reduced.tensors``, then the sparse rows."""
         if self._stepper is not None:
-            plan = reduced.plan
-            if plan.groups is None:
-                plan.groups = self._stepper.plan(plan.stepped)
-            self._stepper.step(plan.groups)
+            self._stepper.step(reduced.tensors)
         else:
             self.wrapped(reduced.tensors, *args, **kwargs)  # type: ignore[arg-type]
         self._sparse.step(reduced.sparse)
@@ -304,17 +306,19 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         """Treat every parameter as new, after the param store's tensors were
         replaced (:func:`~pyro_distributed.load_checkpoint` calls it).
 
-        Drops the per-parameter optimizers and what the exchange knew of the
-        parameters; new ones are made as each parameter reaches the optimizer
-        again, and they take the state given to :meth:`set_state`. Every
-        parameter takes worker 0's value once more at the next step.
+        Ends what the optimizer learned of its parameters (see
+        :meth:`FrontEnd.forget <pyro_distributed.optim.front_end.FrontEnd.forget>`)
+        and drops the per-parameter optimizers: new ones are made as each
+        parameter reaches the optimizer again, and they take the state given
+        to :meth:`set_state`. Every parameter takes worker 0's value once more
+        at the next step.
+
+        .. warning::
+            Call it on every worker at the same step.
         """
         self.wrapped.optim_objs.clear()
         self.wrapped.grad_clip.clear()
-        self._reducer.forget()
-        if self._stepper is not None:
-            self._stepper.forget()
-        self._sparse.forget()
+        super().forget()
 
     def checked_tensors(self) -> dict[str, Tensor]:
         """The parameters that must be identical on every worker: the param store."""
@@ -344,20 +348,21 @@ def watch_created(hook: Callable[[DistributedOptimizer], None]) -> Callable[[], 
     return lambda: _ON_CREATED.remove(hook)
 
 
-class ParamStoreNames:
-    """Parameters by their param-store names, the names every worker shares
-    (the :class:`~.reducer.Names` of this front end)."""
+class ParamStoreCatalog(Mapping[str, Tensor]):
+    """The param store's unconstrained tensors by name, read live: what this
+    front end could step (the exchange's catalog, read when workers disagree)."""
 
-    catalog_name = "param store"
+    def __getitem__(self, name: str) -> Tensor:
+        tensor = stored_unconstrained(name)
+        if tensor is None:
+            raise KeyError(name)
+        return tensor
 
-    def of(self, tensors: tuple[Tensor, ...]) -> dict[str, Tensor]:
-        return _by_store_name(tensors)
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(pyro.get_param_store().keys()))
 
-    def catalog(self) -> dict[str, Tensor]:
-        return _param_store()
-
-    def check_local(self, local: dict[str, Tensor]) -> None:
-        pass  # a PyroOptim makes each parameter's optimizer when it first steps it
+    def __len__(self) -> int:
+        return len(pyro.get_param_store())
 
 
 def _by_store_name(params: Iterable[Tensor]) -> dict[str, Tensor]:

@@ -22,11 +22,12 @@ It keeps ``PyroOptim``'s behaviour where it matters:
   ``optim_objs`` see the live state in ``PyroOptim``'s format;
 * each parameter has its own state (Adam's ``step`` counter included), so
   parameters first seen at different times behave as before;
-* only the parameters passed to a call are stepped: members of a group that
-  were not passed are hidden from that step.
+* only the parameters passed to a call are stepped: the groups are made for
+  the step's parameters, and made again when they change.
 
-Hyper-parameters are read when a parameter first reaches the optimizer;
-editing ``optim_objs[p].param_groups`` later does not reach the group.
+Hyper-parameters are read from ``optim_objs`` when the groups are made:
+editing ``optim_objs[p].param_groups`` later reaches the groups only when
+the step's parameters change.
 It supports plain ``PyroOptim`` wrappers of torch optimizers that have a
 multi-tensor implementation, without ``clip_args``; :func:`grouping_refusal`
 says why anything else is refused.
@@ -74,33 +75,54 @@ def groups_exactly(pyro_optim: PyroOptim) -> bool:
     return grouping_refusal(pyro_optim) is None and pyro_optim.pt_optim_constructor in _EXACT
 
 
-#: The groups a step steps, each with the members that sit it out (:meth:`GroupedStepper.plan`).
-GroupedSteps = list[tuple[torch.optim.Optimizer, list[Tensor]]]
-
-
 def _settings_key(group: dict[str, Any]) -> str:
     return repr(sorted((k, v) for k, v in group.items() if k != "params"))
 
 
 class GroupedStepper:
-    """Steps the parameters of a plain ``PyroOptim`` in multi-tensor groups."""
+    """Steps the parameters of a plain ``PyroOptim`` in multi-tensor groups.
+
+    The groups are made for one tuple of parameters, the step's (the
+    reducer's plan keeps the same tuple step after step), and made again
+    when another tuple comes: nothing outlives the plan it was made for.
+    """
 
     def __init__(self, pyro_optim: PyroOptim) -> None:
         self._pyro_optim = pyro_optim
-        self._groups: dict[str, torch.optim.Optimizer] = {}
-        self._group_of: dict[Tensor, torch.optim.Optimizer] = {}
+        #: The parameters the groups were made for, and the groups.
+        self._made_for: tuple[Tensor, ...] | None = None
+        self._groups: list[torch.optim.Optimizer] = []
 
-    def forget(self) -> None:
-        """Drop every group (after the param store was replaced)."""
-        self._groups.clear()
-        self._group_of.clear()
+    def step(self, params: tuple[Tensor, ...]) -> None:
+        """Step ``params``, grouped (the groups made at the first step of this tuple)."""
+        if params is not self._made_for:
+            self._groups, self._made_for = self._group(params), params
+        for group in self._groups:
+            group.step()
 
-    def _join(self, param: Tensor) -> None:
+    def _group(self, params: Iterable[Tensor]) -> list[torch.optim.Optimizer]:
+        """One multi-tensor optimizer per distinct set of settings among ``params``."""
+        groups: dict[str, torch.optim.Optimizer] = {}
+        for param in params:
+            single = self._single(param)
+            settings = single.param_groups[0]
+            key = _settings_key(settings)
+            group = groups.get(key)
+            if group is None:
+                constructor: Any = type(single)  # a concrete optimizer class
+                group = constructor([{**settings, "params": [param], "foreach": True}])
+                groups[key] = group
+            else:
+                group.param_groups[0]["params"].append(param)
+            group.state[param] = single.state[param]
+        return list(groups.values())
+
+    def _single(self, param: Tensor) -> torch.optim.Optimizer:
         # A one-parameter optimizer resolves the hyper-parameters and takes
         # any waiting state exactly as PyroOptim would, and stays in
         # optim_objs; the group steps the parameter, on the same state dict.
         pyro_optim = self._pyro_optim
-        single = pyro_optim.optim_objs.get(param)
+        single: torch.optim.Optimizer | None = pyro_optim.optim_objs.get(param)
         if single is None:
             single = single_optimizer(pyro_optim, param)
             name = pyro.get_param_store().param_name(param)
@@ -112,43 +134,4 @@ class GroupedStepper:
         # optim.sparse_step) before this parameter's first dense step: its
         # state (moments, step count) carries over instead of restarting.
         pyro_optim.grad_clip[param] = None  # clip_args are refused
-        settings = single.param_groups[0]
-        key = _settings_key(settings)
-        group = self._groups.get(key)
-        if group is None:
-            constructor: Any = type(single)  # a concrete optimizer class
-            group = constructor([{**settings, "params": [param], "foreach": True}])
-            self._groups[key] = group
-        else:
-            group.param_groups[0]["params"].append(param)
-        group.state[param] = single.state[param]
-        self._group_of[param] = group
-
-    def step(self, groups: GroupedSteps) -> None:
-        """Step ``groups`` (:meth:`plan`), each member that was not passed sitting out."""
-        for group, hideable in groups:
-            if not hideable:
-                group.step()
-                continue
-            hidden = [p for p in hideable if p.grad is not None]
-            saved = [p.grad for p in hidden]
-            for p in hidden:  # PyroOptim steps only what it is given
-                p.grad = None
-            group.step()
-            for p, grad in zip(hidden, saved, strict=True):
-                p.grad = grad
-
-    def plan(self, params: Iterable[Tensor]) -> GroupedSteps:
-        """The groups that ``params`` belong to (joining new ones), each with the
-        members that were not passed and must sit out the step. The step's plan
-        keeps it while the parameters stay the same (``optim.reducer.Plan``)."""
-        stepping = set()
-        for param in params:
-            if param not in self._group_of:
-                self._join(param)
-            stepping.add(param)
-        groups = {id(self._group_of[p]): self._group_of[p] for p in stepping}.values()
-        return [
-            (group, [p for p in group.param_groups[0]["params"] if p not in stepping])
-            for group in groups
-        ]
+        return single

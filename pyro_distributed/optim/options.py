@@ -29,7 +29,16 @@ from .. import runtime
 from ..checks import check_bool, check_choice, check_int, check_number
 from ..engines import Engine, check_engine_name
 from ..errors import PyroDistributedError
-from ..exchange import CommHook, Compression, GradBucket, Reducing, Reduction, as_hook, compressor
+from ..exchange import (
+    CommHook,
+    Compression,
+    GradBucket,
+    NarrowedHook,
+    Reducing,
+    Reduction,
+    as_hook,
+    compressor,
+)
 from .noise_scale import NoiseScaleEstimator
 
 
@@ -65,12 +74,11 @@ class ReducerOptions:
         NoiseScaleEstimator.smoothing_of(given.noise_scale)  # fails here, not at step 1
         if reduction is None:
             hook = None if given.comm_hook is None else as_hook(given.comm_hook)
-            if hook is not None and given.compression != "none":
-                raise ValueError(
-                    f"pass compression={given.compression!r} or comm_hook, not both: "
-                    f"a hook decides how gradients travel"
-                )
-            reduction = Reduction(compression=compressor(given.compression), hook=hook)
+            narrow = compressor(given.compression)
+            if hook is not None and narrow is not None:
+                # The hook runs on the bucket cast to the narrow type.
+                hook, narrow = NarrowedHook(hook, narrow), None
+            reduction = Reduction(compression=narrow, hook=hook)
         return dataclasses.replace(given, reduction=reduction)
 
 

@@ -265,11 +265,6 @@ class SparseStepper:
             with rows_in_place(optimizer, [gradients], clip):
                 optimizer.step()
 
-    def forget(self) -> None:
-        """Forget the optimizers checked (after ``optim_objs`` was cleared)."""
-        self._checked = weakref.WeakSet()
-        sparse_local.forget()
-
     def _optimizer(self, gradients: RowGradients) -> torch.optim.Optimizer:
         pyro_optim, param = self._pyro_optim, gradients.tensor
         held = pyro_optim.optim_objs.get(param)

@@ -35,7 +35,7 @@ since that change was made to one worker's gradient before averaging.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -45,8 +45,9 @@ from ..engines import Engine
 from ..exchange import CommHook, Compression, GradBucket, Reducing
 from ..local.gradients import split_local
 from ..torch_internals import init_optimizer_hooks
+from .front_end import FrontEnd
 from .options import DEFAULTS, ReducerOptions
-from .reducer import FrontEnd, Reduced, Reducer
+from .reducer import Reduced, Reducer
 from .sparse_step import TorchSparseStepper
 from .step_guards import GradStamps, check_state_fits
 
@@ -150,7 +151,7 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         # Swaps the rows of local_updates="sparse" parameters in (optim.sparse_step).
         self._sparse = TorchSparseStepper(optimizer)
         self._names = ParamGroupNames(optimizer)
-        self._reducer = Reducer(engine, options, self._names, self._names.state)
+        self._reducer = Reducer(engine, options, GroupCatalog(self._names), "optimizer")
         # The hooks go on before local rows are cut (construction, not the
         # first step): a hook added to a parameter after its rows were cut in
         # place breaks its next backward. One worker has no average to clip.
@@ -254,7 +255,7 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
                 with self._sparse.swapped_in(reduced.sparse):
                     self.wrapped.step()
         finally:
-            self._reducer.done(reduced)
+            self._finish(reduced)
         if reduced.exchanged is None:
             self._stamps.unwatch()  # one worker has no average to clip
         elif not self._warned_changed:
@@ -266,10 +267,13 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         sparse = self._sparse.take()
         # Names are positions in the groups: the same ids in the same places,
         # the same names, and the same plan.
-        groups = self.wrapped.param_groups
+        groups, reducer = self.wrapped.param_groups, self._reducer
         key = tuple(tuple(map(id, group["params"])) for group in groups)
-        params = (param for group in groups for param in group["params"])
-        return self._reducer.reduce(key, params, sparse)
+        plan = reducer.plan_for(key) or reducer.new_plan(key, dict(self.named_parameters()))
+        if plan.local and reducer.sync is not None:
+            # Refused before anything travels: local parameters this optimizer cannot step.
+            check_state_fits(self.wrapped, plan.local)
+        return reducer.reduce(plan, sparse)
 
     def _warn_if_changed_since_backward(self) -> None:
         if self._warned_changed:
@@ -300,10 +304,8 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
 
 
 class ParamGroupNames:
-    """A torch optimizer's parameters by their position, ``param_groups[g][i]``
-    (the :class:`~.reducer.Names` of :class:`DistributedTorchOptimizer`)."""
-
-    catalog_name = "optimizer"
+    """A torch optimizer's parameters by their position, ``param_groups[g][i]``:
+    the names every worker shares for them."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
@@ -313,17 +315,29 @@ class ParamGroupNames:
             for i, param in enumerate(group["params"]):
                 yield f"param_groups[{g}][{i}]", param
 
-    def of(self, tensors: tuple[Tensor, ...]) -> dict[str, Tensor]:
-        return dict(self.named_parameters())  # the plan's tensors, in the groups' order
-
     def catalog(self) -> dict[str, Tensor]:
+        """The parameters that travel (local ones left out), by name."""
         replicated, _ = split_local(dict(self.named_parameters()))
         return replicated
-
-    def check_local(self, local: dict[str, Tensor]) -> None:
-        check_state_fits(self._optimizer, local)
 
     def state(self) -> dict[str, Any]:
         """The optimizer's per-parameter state of :meth:`catalog`, by name."""
         state = self._optimizer.state
         return {name: dict(state[p]) for name, p in self.catalog().items() if p in state}
+
+
+class GroupCatalog(Mapping[str, Tensor]):
+    """The parameters that travel, by position, read live from the optimizer's
+    groups: the exchange's catalog (read when workers disagree)."""
+
+    def __init__(self, names: ParamGroupNames) -> None:
+        self._names = names
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._names.catalog()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names.catalog())
+
+    def __len__(self) -> int:
+        return len(self._names.catalog())

@@ -178,7 +178,7 @@ def agreement_steps() -> dict[str, object]:
         t is catalog[n] for n, t in zip(mixed.step.names, mixed.step.tensors, strict=True)
     )
 
-    agreement.forget()
+    agreement = ParameterAgreement(engine, cap_bytes=1 << 20, catalog_name="catalog")  # anew
     engine.calls.clear()
     forgotten = agreement.settle(agreement.propose({"a": a, "b": b}), lambda: catalog)
     record["forgotten"] = (forgotten.unchanged, list(engine.calls))
@@ -251,8 +251,8 @@ def test_what_is_new_follows_the_synchronised_tensors() -> None:
     assert agreement.propose({"b": torch.zeros(2), "a": a}).new == ("b",)
     assert agreement.propose({"c": b, "a": a}).new == ("c",)
     assert agreement.propose(given).digest == steady.digest
-    agreement.forget()
-    assert agreement.propose(given).new == ("a", "b")
+    fresh = ParameterAgreement(pd.current_engine(), cap_bytes=1 << 20)  # a new epoch's
+    assert fresh.propose(given).new == ("a", "b")
 
 
 def _broadcast_from_worker_zero() -> list[list[float]]:

@@ -26,7 +26,7 @@ def test_generation_changes_when_a_tensor_becomes_or_stops_being_local() -> None
     registry.register(param)
     assert registry.generation() != registered
     renewed = registry.generation()
-    registry.forget(["z"])
+    registry.unregister(["z"])
     assert registry.generation() != renewed
     assert registry.local_param("z") is None
     pyro.clear_param_store()
@@ -41,5 +41,5 @@ def test_a_module_parameter_read_again_keeps_one_record() -> None:
         registry.register(param, module_tensor, None)
     assert registry.generation() == registered
     assert registry.local_of(module_tensor) == param
-    registry.forget(["m.z"])
+    registry.unregister(["m.z"])
     assert registry.local_of(module_tensor) is None

@@ -241,8 +241,8 @@ def elbo_module(guide_name: str, elbo: Trace_ELBO | None = None) -> torch.nn.Mod
 def fresh_run() -> None:
     """Forget the local parameters of an earlier run in this process: its module
     may still be alive, and a new guide's parameters take the same names."""
-    registry.forget(list(registry.local_params()))
-    sparse_local.forget()
+    registry.unregister(list(registry.local_params()))
+    sparse_local.drop_reads()
 
 
 def trained(guide_name: str, make: Make, steps: int, mode: str = "sparse") -> dict[str, Any]:

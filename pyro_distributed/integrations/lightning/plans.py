@@ -44,8 +44,8 @@ from ...checkpoint.modules import module_locals
 from ...engines import Engine
 from ...errors import PyroDistributedError
 from ...local.registry import local_params
+from ...optim.consistency import require_identical
 from ...optim.distributed import DistributedOptimizer
-from ...optim.reducer import require_identical
 
 
 def distribute_svi_optimizers(
