@@ -12,8 +12,9 @@ of naming engines.
 
 Collectives block until their result is in place and must be called in the
 same order on every worker; :meth:`Engine.allreduce_async_` alone returns a
-:class:`Pending`, so gradients can travel during backward. A transport's
-failures (a dead peer, a time-out) become
+:class:`Pending`, so gradients can travel during backward. Most work in
+place; :meth:`Engine.all_gather` and :meth:`Engine.reduce_scatter` return a
+new tensor. A transport's failures (a dead peer, a time-out) become
 :class:`~pyro_distributed.PyroDistributedError`, naming the collective.
 """
 
@@ -26,8 +27,9 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
+import torch
 from torch import Tensor
 
 from ..errors import PyroDistributedError
@@ -298,6 +300,79 @@ class Engine(abc.ABC):
     def broadcast_(self, tensors: Sequence[Tensor], src: int = 0) -> None:
         """Overwrite each tensor, in place, with worker ``src``'s values."""
 
+    def all_gather(self, tensor: Tensor, name: str = "") -> Tensor:
+        """Every worker's ``tensor``, stacked by rank, in a new tensor.
+
+        Every worker passes a tensor of the same shape and dtype; the result has
+        shape ``(world_size, *tensor.shape)`` and row ``r`` holds worker ``r``'s
+        tensor, bit for bit (a copy: nothing is added or rounded, whatever the
+        dtype). ``name`` names the collective for engines that match
+        collectives by name, and in messages. Example::
+
+            engine = pd.current_engine()
+            counts = engine.all_gather(torch.tensor([len(x_mine)]))  # shape (world_size, 1)
+            print(counts[:, 0].tolist())  # every worker's count, by rank
+
+        This default broadcasts each worker's tensor in turn; every engine of
+        this package overrides it with its transport's all-gather.
+        """
+        gathered = torch.empty(
+            (self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device
+        )
+        gathered[self.rank].copy_(tensor.detach())
+        for source in range(self.world_size):
+            self.broadcast_([gathered[source]], src=source)
+        return gathered
+
+    def reduce_scatter(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Tensor:
+        """This worker's rows of the reduction of every worker's ``tensor``, in a new tensor.
+
+        Every worker passes a tensor of the same shape and dtype, whose first
+        dimension ``n`` is a multiple of the world size ``W``; worker ``r`` gets
+        rows ``r * n // W`` to ``(r + 1) * n // W`` of the elementwise reduction
+        (``op`` as in :meth:`allreduce_`). Those rows are bit for bit what
+        :meth:`allreduce_` of the same tensors leaves there. A first dimension
+        that the world size does not divide is a ValueError, raised before any
+        communication. Example::
+
+            engine = pd.current_engine()
+            grads = torch.randn(4 * engine.world_size, 10)  # every worker's
+            mine = engine.reduce_scatter(grads, "mean")  # shape (4, 10): my rows of the mean
+
+        This default reduces a copy of the whole tensor with :meth:`allreduce_`
+        and keeps this worker's rows.
+        """
+        return self._reduce_scatter_by_allreduce(tensor, op, name)
+
+    def _rows_per_worker(self, tensor: Tensor, op: ReduceOp) -> int:
+        """How many rows of ``tensor`` :meth:`reduce_scatter` leaves on each
+        worker; a ValueError, before any communication, where there is no such
+        number or no such reduction."""
+        if op not in get_args(ReduceOp):
+            raise ValueError(f"the {self.name} engine has no reduction {op!r}")
+        shape, world = tuple(tensor.shape), self.world_size
+        if tensor.dim() == 0:
+            raise ValueError(
+                f"reduce_scatter splits the first dimension among the workers, and a tensor "
+                f"of shape {shape} has none (world size {world})"
+            )
+        if tensor.shape[0] % world:
+            raise ValueError(
+                f"reduce_scatter splits the first dimension among the workers, and a tensor "
+                f"of shape {shape} has {shape[0]} rows, not a multiple of the world size {world}"
+            )
+        return tensor.shape[0] // self.world_size
+
+    def _reduce_scatter_by_allreduce(self, tensor: Tensor, op: ReduceOp, name: str) -> Tensor:
+        """:meth:`reduce_scatter` as an :meth:`allreduce_` of a copy of
+        ``tensor`` of which this worker keeps its rows: bit for bit the
+        all-reduce, at the cost of moving the whole tensor."""
+        rows = self._rows_per_worker(tensor, op)
+        reduced = tensor.detach().clone(memory_format=torch.contiguous_format)
+        self.allreduce_([reduced], op, [name] if name else ())
+        # A copy of the rows, so that the whole reduced tensor is not kept alive.
+        return reduced.narrow(0, self.rank * rows, rows).clone()
+
     @abc.abstractmethod
     def allgather_object(self, obj: Any) -> list[Any]:
         """Return every worker's ``obj`` (picklable), indexed by rank."""
@@ -312,6 +387,19 @@ class Engine(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size}>"
+
+
+def as_bytes(tensor: Tensor) -> Tensor:
+    """``tensor``'s elements as one flat, contiguous ``uint8`` tensor (a view of
+    it where it is contiguous), so that a gather moves bits of any dtype."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def stacked_rows(gathered: Tensor, like: Tensor, world_size: int) -> Tensor:
+    """The bytes that :func:`as_bytes` of ``like`` gave on every worker, one
+    after another in ``gathered``, as a tensor of shape ``(world_size, *like.shape)``
+    and ``like``'s dtype."""
+    return gathered.reshape(-1).view(like.dtype).reshape(world_size, *like.shape)
 
 
 def describe_lost(lost: Sequence[str]) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
+from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp, as_bytes, stacked_rows
 from .launchers import horovodrun_present
 
 INSTALL_HINT = (
@@ -157,6 +157,29 @@ class HorovodEngine(Engine):
             ]
             for handle in handles:
                 self.hvd.synchronize(handle)
+
+    def all_gather(self, tensor: Tensor, name: str = "") -> Tensor:
+        name = name or self._name("all_gather")
+        what = f"all_gather of {name}"
+        # As bytes, one row per worker: every dtype travels, bit for bit.
+        sent = as_bytes(tensor).unsqueeze(0)
+        with self._collective(what):
+            handle = self.hvd.allgather_async(sent, name=name, process_set=self._process_set)
+            gathered = self.hvd.synchronize(handle)
+        return stacked_rows(gathered, tensor, self.world_size)
+
+    def reduce_scatter(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Tensor:
+        """See :meth:`~pyro_distributed.Engine.reduce_scatter`: an all-reduce
+        of a copy, of which this worker keeps its rows.
+
+        Not ``hvd.reducescatter``: it knows only sums and means, and Horovod
+        0.28 adds the workers' values for it in another order than for its
+        all-reduce (on gloo, with gloo's halving-doubling reduce-scatter: at
+        three workers, one element in ten to one in five of two workers' rows
+        differed in the last bits), while the rows must be bit for bit what
+        :meth:`~pyro_distributed.Engine.allreduce_` gives.
+        """
+        return self._reduce_scatter_by_allreduce(tensor, op, name)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         # hvd.allgather_object knows no process sets; allgather of bytes does,

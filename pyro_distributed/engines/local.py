@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -22,7 +23,9 @@ from .base import Engine, ReduceOp
 
 
 class LocalEngine(Engine):
-    """World size 1. Reductions and broadcasts leave tensors as they are."""
+    """World size 1. Reductions and broadcasts leave tensors as they are;
+    ``all_gather`` returns a copy with a first dimension of 1 in front, and
+    ``reduce_scatter`` a copy."""
 
     name = "local"
     #: Asked last, and always there: one plain process.
@@ -61,6 +64,15 @@ class LocalEngine(Engine):
     def broadcast_(self, tensors: Sequence[Tensor], src: int = 0) -> None:
         if src != 0:
             raise ValueError(f"broadcast source {src} does not exist: world size is 1")
+
+    def all_gather(self, tensor: Tensor, name: str = "") -> Tensor:
+        return tensor.detach().unsqueeze(0).clone(memory_format=torch.contiguous_format)
+
+    def reduce_scatter(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Tensor:
+        self._rows_per_worker(tensor, op)  # the same refusals as on many workers
+        # Every reduction over one worker is the tensor itself; a mean divides by 1,
+        # which leaves every value as it is.
+        return tensor.detach().clone(memory_format=torch.contiguous_format)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return [obj]

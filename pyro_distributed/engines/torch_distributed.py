@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..devices import cuda_device_index, cuda_transport, this_gpu
 from ..errors import PyroDistributedError
-from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp
+from .base import DEFAULT_TIMEOUT, Engine, Pending, ReduceOp, as_bytes, stacked_rows
 from .launchers import (
     TORCHRUN_VARIABLES,
     Rendezvous,
@@ -40,6 +40,14 @@ from .rendezvous_store import open_store
 from .variables import env_int
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _single(current: str, former: str) -> Any:
+    """torch.distributed's collective named ``current``, or ``former`` in a
+    torch that predates the name. torch 2.13 has both and warns that the
+    former (``all_gather_into_tensor``, ``reduce_scatter_tensor``) are
+    deprecated; the oldest torch this package supports has only those."""
+    return getattr(dist, current, None) or getattr(dist, former)
 
 
 def _started(work: dist.Work | None, what: str) -> dist.Work:
@@ -272,6 +280,44 @@ class TorchEngine(Engine):
             ]
             for work in works:
                 work.wait(self._timeout)
+
+    def all_gather(self, tensor: Tensor, name: str = "") -> Tensor:
+        what = f"all_gather of {name or 'a tensor'}"
+        group = self._group(tensor)
+        # As bytes: every dtype travels, and arrives bit for bit.
+        sent = as_bytes(tensor)
+        gathered = sent.new_empty(self._world_size * sent.numel())
+        gather = _single("all_gather_single", "all_gather_into_tensor")
+        with self._collective(what):
+            _started(gather(gathered, sent, group=group, async_op=True), what).wait(self._timeout)
+        return stacked_rows(gathered, tensor, self._world_size)
+
+    def reduce_scatter(self, tensor: Tensor, op: ReduceOp = "sum", name: str = "") -> Tensor:
+        """See :meth:`~pyro_distributed.Engine.reduce_scatter`.
+
+        On gloo, torch's own reduce-scatter, which gloo carries out as an
+        all-reduce of a copy of which each worker keeps its rows: bit for bit
+        :meth:`~pyro_distributed.Engine.allreduce_`. NCCL's reduce-scatter is
+        an algorithm of its own, and nothing promises that it adds the workers'
+        values in the order its all-reduce does (MPICH's and Horovod's do not);
+        CUDA tensors on NCCL therefore go through
+        :meth:`~pyro_distributed.Engine.allreduce_` too.
+        """
+        rows = self._rows_per_worker(tensor, op)
+        if tensor.device.type == "cuda" and self._cuda_backend == "nccl":
+            return self._reduce_scatter_by_allreduce(tensor, op, name)
+        what = f"reduce_scatter ({op}) of {name or 'a tensor'}"
+        group = self._group(tensor)
+        sent = tensor.detach().contiguous()
+        mine = sent.new_empty((rows, *sent.shape[1:]))
+        scatter = _single("reduce_scatter_single", "reduce_scatter_tensor")
+        with self._collective(what):
+            _started(
+                scatter(mine, sent, op=_REDUCE_OPS[op], group=group, async_op=True), what
+            ).wait(self._timeout)
+        if op == "mean":
+            mine.div_(self._world_size)  # as allreduce_ divides the sum
+        return mine
 
     def allgather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self._world_size
