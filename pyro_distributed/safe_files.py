@@ -38,9 +38,12 @@ from .devices import checkpoint_location
 
 MAGIC = b"\x89PYRO-DIST\r\n\x1a\n\x00\x00"
 HEADER_BYTES = 4096
-#: Version 4 files have a checked header before a payload of plain data; files
-#: of versions 1 to 3 are plain ``torch.save`` files of any object.
-FORMAT_VERSION = 4
+#: Version 4 and later files have a checked header before a payload of plain
+#: data; a version 5 checkpoint also holds every worker's state of the step's
+#: extensions (a communication hook's), which a reader of version 4 would
+#: silently drop. Files of versions 1 to 3 are plain ``torch.save`` files of
+#: any object.
+FORMAT_VERSION = 5
 #: How a file of version 3 and older starts: a zip archive, torch.save's format.
 _LEGACY_START = b"PK\x03\x04"
 

@@ -93,10 +93,10 @@ def test_the_header_is_checked_before_the_payload(tmp_path: Path) -> None:
     start = len(safe_files.MAGIC)
     data[start : start + safe_files.HEADER_BYTES] = (
         data[start : start + safe_files.HEADER_BYTES]
-        .replace(b'"format_version": 4', b'"format_version": 9')
+        .replace(b'"format_version": 5', b'"format_version": 9')
     )  # fmt: skip
     newer.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=r"has format version 9 .* reads version 4 and older"):
+    with pytest.raises(ValueError, match=r"has format version 9 .* reads version 5 and older"):
         load_file(newer)
 
 

@@ -85,6 +85,8 @@ def check(state: dict[str, Any], shown: str) -> None:
         entries.get(state, "shared_rng", torch.Tensor, "'shared_rng'"), "'shared_rng'"
     )
     _check_rng(entries, entries.get(state, "rng", (list, tuple), "'rng'"), world_size)
+    if "extensions" in state:  # absent in files of format version 4 and older
+        _check_extensions(entries, state["extensions"], world_size)
     # Files of 0.x name no kind and hold no blocks; every later one says both.
     if "kind" in state:
         local = entries.get(state, "local", (dict, type(None)), "'local'")
@@ -113,6 +115,21 @@ def _check_rng(entries: _Entries, rng: Any, world_size: int) -> None:
         if len(numpy) != 5:
             raise entries.refuse(f"{where}['numpy']", f"must hold 5 entries, got {len(numpy)}")
         entries.bytes_state(blocks, f"{where}[1]")
+
+
+def _check_extensions(entries: _Entries, states: Any, world_size: int) -> None:
+    """Every worker's extension state: a dict of dicts by extension, per worker."""
+    entries.typed(states, (list, tuple), "'extensions'")
+    if len(states) != world_size:
+        raise entries.refuse(
+            "'extensions'", f"holds {len(states)} workers' states for {world_size} workers"
+        )
+    for rank, state in enumerate(states):
+        where = f"'extensions'[{rank}]"
+        entries.typed(state, dict, where)
+        for name, value in state.items():
+            entries.typed(name, str, f"a name in {where}")
+            entries.typed(value, dict, f"{where}[{name!r}]")
 
 
 def _check_local(entries: _Entries, local: dict[str, Any]) -> set[str]:

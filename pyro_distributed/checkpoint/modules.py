@@ -24,7 +24,7 @@ from torch import Tensor
 from ..local import registry, sparse
 from ..local.blocks import load_blocks
 from ..optim.torch_optimizer import DistributedTorchOptimizer
-from . import contents, files
+from . import contents, extensions, files
 from .optim_state import check_torch_optimizer
 
 
@@ -84,6 +84,7 @@ def save(
     local_indices = {indices[id(param)] for param in values.values() if id(param) in indices}
     state_of = optimizer.state
     optim_state = {name: dict(state_of[p]) for name, p in values.items() if p in state_of}
+    extension_states = extensions.gather(engine, optimizer)
 
     def state(local_meta: dict[str, Any] | None) -> dict[str, Any]:
         saved_optimizer = without_state(optimizer.state_dict(), local_indices)
@@ -97,6 +98,7 @@ def save(
             "local_names": {
                 name: (held.pyro_name, held.constraint) for name, held in local.items()
             },
+            extensions.KEY: extension_states,
         }
 
     files.commit(path, engine, state, records, values, optim_state)
@@ -135,6 +137,7 @@ def load(
                 f"scheduler(s); {len(schedulers)} were passed"
             )
         check_torch_optimizer(optimizer.wrapped, state["optimizer"], repr(os.fspath(path)))
+        extensions.check(state, optimizer, repr(os.fspath(path)))
 
     files.agree(engine, check)
     if local:  # read before anything changes, so that a bad block leaves the run as it was
@@ -150,8 +153,8 @@ def load(
                 param.data = value.to(param.device).clone()  # this worker's block of rows
             pyro_name, constraint = state["local_names"][name]
             record = local[name]
-            registry.forget([pyro_name])
-            sparse.forget([pyro_name])  # rows read before the load are not this block's
+            registry.unregister([pyro_name])
+            sparse.drop_reads([pyro_name])  # rows read before the load are not this block's
             registry.register(
                 registry.LocalParam(pyro_name, record.plate, record.size, record.axis),
                 param,
@@ -162,6 +165,8 @@ def load(
     optimizer.load_state_dict(saved_optimizer)
     for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
         scheduler.load_state_dict(saved)
+    optimizer.forget()  # what the exchange and the hook knew is of the replaced state
+    extensions.restore(state, optimizer, engine, repr(os.fspath(path)))
     optimizer.num_steps = state["num_steps"]
     files.restore_rng(state, engine)
     return int(state["num_steps"])

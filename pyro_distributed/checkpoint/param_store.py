@@ -22,11 +22,11 @@ from pyro.optim import SGD  # type: ignore[attr-defined]
 
 from ..engines import Engine
 from ..engines.local import LocalEngine
-from ..local import registry
+from ..local import registry, sparse
 from ..local.blocks import load_blocks
 from ..optim.distributed import DistributedOptimizer
 from ..pyro_internals import replace_unconstrained
-from . import contents, files
+from . import contents, extensions, files
 from .optim_state import check_pyro_optim
 
 
@@ -37,6 +37,7 @@ def save(path: str | os.PathLike[str], optim: DistributedOptimizer) -> None:
     store = pyro.get_param_store()
     local = {name: p for name, p in registry.local_params().items() if name in store}
     optim_state = optim.get_state()
+    extension_states = extensions.gather(engine, optim)
 
     def state(local_meta: dict[str, Any] | None) -> dict[str, Any]:
         saved_store = store.get_state()
@@ -49,6 +50,7 @@ def save(path: str | os.PathLike[str], optim: DistributedOptimizer) -> None:
             "optim": _without(optim_state, local),
             "rng": rng_states,
             "local": local_meta,
+            extensions.KEY: extension_states,
         }
 
     values = dict(store.named_parameters()) if local else {}
@@ -89,6 +91,7 @@ def load(
         if with_optim:
             saved = state["param_store"]["params"]
             check_pyro_optim(optim.wrapped, state["optim"], saved, repr(os.fspath(path)))
+            extensions.check(state, optim, repr(os.fspath(path)))
 
     files.agree(engine, check)
 
@@ -103,6 +106,9 @@ def load(
     if values:
         _restore_local(values, local, state["param_store"]["constraints"])
     optim.forget()
+    sparse.drop_reads()  # rows read before the load are of the replaced tensors
+    if with_optim:
+        extensions.restore(state, optim, engine, repr(os.fspath(path)))
     if strict:
         # Names not created yet (a guide's, before its first call) are checked
         # at the first step, against what it steps.
@@ -156,7 +162,7 @@ def _restore_local(
     """Install this worker's rows of each local parameter, bit for bit."""
     store = pyro.get_param_store()
     current = dict(store.named_parameters())
-    registry.forget(local)
+    registry.unregister(local)
     for name, value in values.items():
         if name in current and current[name].shape == value.shape:
             with torch.no_grad():

@@ -55,12 +55,13 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from ... import atomic_write
-from ...checkpoint import files
+from ...checkpoint import extensions, files
 from ...checkpoint.modules import ModuleLocal, module_locals, state_indices, without_state
 from ...engines import Engine
 from ...errors import PyroDistributedError
 from ...local.blocks import load_blocks, remove_blocks
 from ...local.registry import LocalParam, local_params
+from ...optim.front_end import FrontEnd
 from ...seeding import shared_generator
 from . import internals, pyro_state
 
@@ -146,6 +147,25 @@ def restore_counts(checkpoint: Mapping[str, Any], optimizers: Iterable[Any]) -> 
     for optimizer, count in zip(optimizers, counts, strict=False):
         if count is not None and hasattr(optimizer, "num_steps"):
             optimizer.num_steps = count
+
+
+def restore_extensions(
+    checkpoint: Mapping[str, Any], optimizers: Iterable[Any], engine: Engine, shown: str
+) -> None:
+    """Each distributed optimizer's communication hook, from the state this
+    worker saved (:mod:`pyro_distributed.checkpoint.extensions`); afresh, with
+    a warning, where the file holds none for this number of workers."""
+    saved = checkpoint.get(KEY) or {}
+    states = saved.get(extensions.KEY) or []
+    for index, optimizer in enumerate(optimizers):
+        if isinstance(optimizer, FrontEnd):
+            held = states[index] if index < len(states) else None
+            entries = {"world_size": saved.get("world_size")}
+            if held is not None:
+                entries[extensions.KEY] = held
+            extensions.check(entries, optimizer, shown)
+            optimizer.forget()
+            extensions.restore(entries, optimizer, engine, shown)
 
 
 def restore_rng(checkpoint: Mapping[str, Any], engine: Engine) -> None:
@@ -240,6 +260,11 @@ def save(
         "rng": files.gather_rng(engine),  # plain data, as weights_only=True accepts
         "shared_rng": shared_generator().get_state(),
         "num_steps": [getattr(optimizer, "num_steps", None) for optimizer in optimizers],
+        # Per optimizer, every worker's state of its communication hook.
+        extensions.KEY: [
+            extensions.gather(engine, optimizer) if isinstance(optimizer, FrontEnd) else None
+            for optimizer in optimizers
+        ],
     }
     if target is None:  # a remote path, no local parameters: as Lightning writes it
         if engine.rank == 0:

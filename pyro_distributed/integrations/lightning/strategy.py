@@ -455,6 +455,9 @@ class PyroDistributedStrategy(DDPStrategy):
         states = checkpoints.optimizer_states(checkpoint, self._resumption)
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
         checkpoints.restore_counts(checkpoint, self.optimizers)
+        where = self._resumption.where
+        shown = "Lightning's checkpoint" if where is None else repr(str(where))
+        checkpoints.restore_extensions(checkpoint, self.optimizers, self.engine, shown)
 
     def _restore_rng_at_first_batch(self) -> None:
         """On the first training batch after a restore, the checkpoint's RNG states
