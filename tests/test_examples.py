@@ -143,3 +143,12 @@ def test_svi_torch_example_gives_the_same_posterior_on_two_workers_as_on_one() -
     for name in ("slope", "bias", "scale"):
         assert abs(one[name] - two[name]) < 0.01, (one, two)
     assert abs(two["slope_sd"] / one["slope_sd"] - 1) < 0.25, (one, two)
+
+
+def test_the_topk_hook_example_resumes_bitwise_under_torchrun() -> None:
+    # The example asserts the resumed run equals the straight one, bitwise.
+    output = run([*python_or_torchrun(2), str(ROOT / "examples" / "topk_hook.py")])
+    assert "trained on 2 worker(s), sending 10% of each bucket" in output
+    assert "resumed run equals the straight run" in output
+    error = float(re.search(r"largest weight error ([0-9.]+)", output).group(1))  # type: ignore[union-attr]
+    assert error < 0.1
