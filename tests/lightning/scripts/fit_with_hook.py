@@ -1,0 +1,123 @@
+"""A regression with a 20x16 weight, trained through LowRankHook, checkpointed and resumed.
+
+At 2 workers an epoch is 4 steps. ``--hook`` trains through
+``LowRankHook(rank=2, warmup_steps=2)`` (passed in the strategy's
+``optimizer_options``): AutoNormal's location and scale of the weight are
+20x16 matrices, which it compresses from step 3 on. ``--save-every 2``
+writes ``step=<s>.ckpt`` every two steps; ``--resume FILE`` continues from
+one. Each worker saves its parameters after step 8, its losses, its final
+``global_step`` and its hook's state at the end to ``OUT/rank<r>.pt``.
+(Lightning before 2.5 trains one step more after a resume,
+Lightning-AI/pytorch-lightning#19403: the parameters are taken at step 8 so
+that the runs can still be compared.)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer import Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+from pyro.nn import PyroModule
+from torch.utils.data import DataLoader, TensorDataset
+
+import pyro_distributed as pd
+from pyro_distributed.integrations.lightning import PyroDistributedStrategy
+
+ROWS, BATCH, IN, OUT, SIGMA = 64, 8, 20, 16, 0.5
+STEPS = 8  # the straight run's: 2 epochs of 4 steps at 2 workers
+
+
+def make_data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(ROWS, IN, generator=generator)
+    w = torch.randn(IN, OUT, generator=generator)
+    return TensorDataset(x, x @ w + SIGMA * torch.randn(ROWS, OUT, generator=generator))
+
+
+class Regression(PyroModule):
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> None:
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([IN, OUT]).to_event(2))
+        with pyro.plate("data", ROWS, subsample=torch.arange(len(x))):
+            pyro.sample("y", dist.Normal(x @ w, SIGMA).to_event(1), obs=y)
+
+
+class Plan(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        model = Regression()
+        self.loss_fn = Trace_ELBO()(model, AutoNormal(model))
+        self.losses: list[float] = []
+        self.params_at_last_step: dict[str, torch.Tensor] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss: torch.Tensor = self.loss_fn(*batch)  # draws w from the guide
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == STEPS:
+            self.params_at_last_step = {
+                name: value.detach().clone() for name, value in self.loss_fn.named_parameters()
+            }
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.loss_fn.parameters(), lr=0.05)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hook", action="store_true", help="LowRankHook(rank=2, warmup_steps=2)")
+    parser.add_argument("--save-every", type=int, help="ModelCheckpoint(every_n_train_steps=)")
+    parser.add_argument("--checkpoint-dir", type=Path)
+    parser.add_argument("--resume", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    pyro.set_rng_seed(0)
+    pyro.settings.set(module_local_params=True)
+    data = make_data()
+    plan = Plan()
+    plan.loss_fn(*data[:2])  # AutoNormal creates its parameters here
+    options = {"comm_hook": pd.LowRankHook(rank=2, warmup_steps=2)} if args.hook else None
+    callbacks = []
+    if args.save_every is not None:
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                dirpath=args.checkpoint_dir,
+                filename="{step}",
+                every_n_train_steps=args.save_every,
+                save_top_k=-1,
+            )
+        )
+    trainer = pl.Trainer(
+        callbacks=callbacks,
+        accelerator="cpu",
+        devices=2,
+        strategy=PyroDistributedStrategy(optimizer_options=options),
+        max_epochs=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=args.save_every is not None,
+    )
+    loader = DataLoader(data, batch_size=BATCH, shuffle=True)
+    trainer.fit(plan, loader, ckpt_path=args.resume)
+    record = {
+        "global_step": trainer.global_step,
+        "params": plan.params_at_last_step,
+        "losses": plan.losses,
+        "hook_state": trainer.strategy.optimizers[0].extension_state()["comm_hook"],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(record, args.out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
