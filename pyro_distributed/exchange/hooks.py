@@ -19,15 +19,15 @@ with ``comm_hook=`` runs the hook on the bucket cast to the narrow type
 keeps its error feedback) follows four rules, which make a resumed or
 rolled-back run continue exactly:
 
-* keep state by :attr:`GradBucket.name` (the same on every worker and in
-  every process of the run), and read the step from :attr:`GradBucket.step`,
+* keep state by ``GradBucket.name`` (the same on every worker and in
+  every process of the run), and read the step from :attr:`~pyro_distributed.GradBucket.step`,
   which a bucket sent again in the same step does not advance;
-* change it only in :meth:`Reducing.commit`, which runs once for the result
-  a step keeps; a result dropped (:meth:`Reducing.drop`: the bucket is sent
+* change it only in :meth:`~pyro_distributed.Reducing.commit`, which runs once for the result
+  a step keeps; a result dropped (:meth:`~pyro_distributed.Reducing.drop`: the bucket is sent
   again, or the step runs without it) never commits;
-* return it from :meth:`CommHook.state_dict` as plain data (tensors, numbers,
+* return it from :meth:`~pyro_distributed.CommHook.state_dict` as plain data (tensors, numbers,
   strings, lists, dicts), which checkpoints save for every worker, and take it
-  back in :meth:`CommHook.load_state_dict`; loading ``{}`` starts afresh;
+  back in :meth:`~pyro_distributed.CommHook.load_state_dict`; loading ``{}`` starts afresh;
 * be picklable, as launched workers receive their optimizer pickled.
 
 The optimizer tells its hook when the step's state ends: a loaded checkpoint
@@ -90,9 +90,9 @@ class GradBucket:
     owner: object = None
     #: The bucket's place in the step's plan, from 0 (the same on every worker).
     index: int = 0
-    #: Whether it is the last bucket of the step's order: the one that leaves
-    #: at the optimizer call. A bucket sent again because a gradient changed
-    #: after it left may follow it, in the same step.
+    #: Whether it is the last bucket in the step's order, the one that leaves
+    #: at the optimizer call (a bucket sent again because a gradient changed
+    #: after it left may follow it, in the same step).
     is_last: bool = True
     #: The optimizer steps taken before this one (restored with a
     #: checkpoint); a bucket sent again in the same step carries the same.
