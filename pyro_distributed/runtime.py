@@ -123,7 +123,7 @@ def shutdown() -> None:
         engine.shutdown()
 
 
-def forget_inherited_engine() -> None:
+def drop_inherited_engine() -> None:
     """In a forked child: drop the engine copied from the parent, without
     tearing down what belongs to the parent."""
     global _engine

@@ -48,7 +48,7 @@ from ..consensus import describe_split, describe_workers
 from ..digest import digest_int
 from ..engines import Engine
 from ..errors import PyroDistributedError
-from .bucket import plan_layouts
+from .layout import plan_layouts
 
 #: How many floats :func:`digest_floats` makes of a digest in 8-bit pieces.
 DIGEST_FLOATS = 16

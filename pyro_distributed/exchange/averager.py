@@ -27,8 +27,9 @@ import torch
 from torch import Tensor
 
 from ..engines import Engine
-from .bucket import Bucket, plan_layouts
+from .bucket import Bucket
 from .hooks import AverageHook, CommHook, Compressor
+from .layout import plan_layouts
 
 
 @dataclass(frozen=True)

@@ -148,10 +148,6 @@ class ModuleBuffers:
         """The modules found at the last step."""
         return self._roots
 
-    def forget(self) -> None:
-        """Find the modules again at the next step (after parameters were replaced)."""
-        self._seen = {}
-
     def groups(self, named: Mapping[str, Tensor]) -> BufferGroups:
         """The floating-point buffers of the modules holding ``named`` (a step's
         parameters, by names every worker shares), by dtype. The first call is

@@ -76,7 +76,7 @@ def run(
     torch.set_num_threads(assignment.threads)
     # A forked worker holds its parent's engine, if it ran one (a local one):
     # it is not this worker's.
-    runtime.forget_inherited_engine()
+    runtime.drop_inherited_engine()
     try:
         if payload is not None:  # not forked: the function and the kernel's state
             with payload:

@@ -13,8 +13,8 @@ import torch
 
 import pyro_distributed as pd
 from pyro_distributed.exchange.averager import GradientAverager, Reduction
-from pyro_distributed.exchange.bucket import Layout, plan_layouts
 from pyro_distributed.exchange.hooks import AverageHook
+from pyro_distributed.exchange.layout import Layout, plan_layouts
 
 from ..support.harness import run_workers
 
