@@ -88,7 +88,9 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
     :param comm_hook: how each bucket of gradients travels, in place of the
         exact average (:mod:`pyro_distributed.exchange.hooks`): for example
         :class:`~pyro_distributed.LowRankHook`, or a function ``(bucket,
-        engine) -> Reducing``. Not with ``compression``.
+        engine) -> Reducing``. With ``compression``, the hook runs on the
+        bucket cast to the narrow type. A hook's state is saved in
+        checkpoints (:mod:`pyro_distributed.exchange.hooks` gives the rules).
 
     Example::
 

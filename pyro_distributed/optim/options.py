@@ -55,7 +55,7 @@ class ReducerOptions:
     overlap: bool = True
     noise_scale: bool | float = False
     comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None = None
-    #: How gradients are combined: from ``compression`` or ``comm_hook``, or
+    #: How gradients are combined: from ``compression`` and ``comm_hook``, or
     #: Horovod's arguments.
     reduction: Reduction = field(default_factory=Reduction, compare=False)
 
