@@ -1,5 +1,8 @@
 """A run trained through LowRankHook, resumed from a Lightning checkpoint, continues bitwise.
 
+At 2 workers with overlap, and at 3 without (the layout the performance
+guide names for bitwise results from three workers on).
+
 ``scripts/fit_with_hook.py --hook`` at 2 workers (4 steps per epoch) trains
 8 steps through ``LowRankHook(rank=2, warmup_steps=2)``, writing a checkpoint
 every 2 steps. A new run resumed from the step-4 checkpoint, when the hook has
@@ -39,12 +42,13 @@ RESUMED_AT = 4
 KEY, EXTENSIONS = "pyro_distributed", "extensions"
 
 
-def run(out: Path, *options: str) -> tuple[list[dict[str, Any]], str]:
+def run(out: Path, *options: str, workers: int = 2) -> tuple[list[dict[str, Any]], str]:
     """Each worker's record, and the end of the run's output."""
     command = [sys.executable, str(SCRIPT), "--hook", "--out", str(out), *options]
+    command += ["--devices", str(workers)]
     code, output = run_script(command, ROOT, timeout=900)
     assert code == 0, f"exit {code}\n{output}"
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)], output
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(workers)], output
 
 
 def without_hook_state(checkpoint: Path, target: Path) -> Path:
@@ -101,3 +105,22 @@ def test_a_run_resumed_through_a_low_rank_hook_continues_bitwise(tmp_path: Path)
         assert all(a != b for a, b in later), (rank, control["losses"], whole["losses"])
         for name, value in whole["params"].items():
             assert not torch.equal(control["params"][name], value), (rank, name)
+
+
+def test_at_three_workers_without_overlap_a_resumed_run_continues_bitwise(tmp_path: Path) -> None:
+    # From three workers on, bitwise with overlap=False: the first steps after
+    # a resume run without overlap (the performance guide's rule).
+    directory = tmp_path / "checkpoints"
+    options = ("--no-overlap", "--save-every", "2", "--checkpoint-dir", str(directory))
+    straight, _ = run(tmp_path / "straight", *options, workers=3)
+    checkpoint = directory / f"step={RESUMED_AT}.ckpt"
+    resumed, output = run(
+        tmp_path / "resumed", "--no-overlap", "--resume", str(checkpoint), workers=3
+    )
+    assert "starts afresh" not in output
+    after = 8 - RESUMED_AT
+    for rank, (whole, again) in enumerate(zip(straight, resumed, strict=True)):
+        assert whole["global_step"] == 8 and whole["hook_state"], rank
+        assert again["losses"][:after] == whole["losses"][RESUMED_AT:], f"worker {rank}"
+        for name, value in whole["params"].items():
+            assert torch.equal(again["params"][name], value), (rank, name)

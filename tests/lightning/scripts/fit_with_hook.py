@@ -1,9 +1,11 @@
 """A regression with a 20x16 weight, trained through LowRankHook, checkpointed and resumed.
 
-At 2 workers an epoch is 4 steps. ``--hook`` trains through
+Each worker holds 32 rows, 4 steps per epoch at any ``--devices`` (2 by
+default). ``--hook`` trains through
 ``LowRankHook(rank=2, warmup_steps=2)`` (passed in the strategy's
 ``optimizer_options``): AutoNormal's location and scale of the weight are
-20x16 matrices, which it compresses from step 3 on. ``--save-every 2``
+20x16 matrices, which it compresses from step 3 on; ``--no-overlap`` passes
+``overlap=False`` too (bitwise from three workers on). ``--save-every 2``
 writes ``step=<s>.ckpt`` every two steps; ``--resume FILE`` continues from
 one. Each worker saves its parameters after step 8, its losses, its final
 ``global_step`` and its hook's state at the end to ``OUT/rank<r>.pt``.
@@ -28,30 +30,34 @@ from pyro.nn import PyroModule
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_distributed as pd
-from pyro_distributed.integrations.lightning import PyroDistributedStrategy
+from pyro_distributed.integrations.lightning import OptimizerOptions, PyroDistributedStrategy
 
-ROWS, BATCH, IN, OUT, SIGMA = 64, 8, 20, 16, 0.5
-STEPS = 8  # the straight run's: 2 epochs of 4 steps at 2 workers
+ROWS_PER_WORKER, BATCH, IN, OUT, SIGMA = 32, 8, 20, 16, 0.5
+STEPS = 8  # the straight run's: 2 epochs of 4 steps
 
 
-def make_data() -> TensorDataset:
+def make_data(rows: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(ROWS, IN, generator=generator)
+    x = torch.randn(rows, IN, generator=generator)
     w = torch.randn(IN, OUT, generator=generator)
-    return TensorDataset(x, x @ w + SIGMA * torch.randn(ROWS, OUT, generator=generator))
+    return TensorDataset(x, x @ w + SIGMA * torch.randn(rows, OUT, generator=generator))
 
 
 class Regression(PyroModule):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> None:
         w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([IN, OUT]).to_event(2))
-        with pyro.plate("data", ROWS, subsample=torch.arange(len(x))):
+        with pyro.plate("data", self.rows, subsample=torch.arange(len(x))):
             pyro.sample("y", dist.Normal(x @ w, SIGMA).to_event(1), obs=y)
 
 
 class Plan(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, rows: int) -> None:
         super().__init__()
-        model = Regression()
+        model = Regression(rows)
         self.loss_fn = Trace_ELBO()(model, AutoNormal(model))
         self.losses: list[float] = []
         self.params_at_last_step: dict[str, torch.Tensor] = {}
@@ -74,6 +80,8 @@ class Plan(pl.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hook", action="store_true", help="LowRankHook(rank=2, warmup_steps=2)")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--no-overlap", action="store_true", help="overlap=False")
     parser.add_argument("--save-every", type=int, help="ModelCheckpoint(every_n_train_steps=)")
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--resume", type=Path)
@@ -82,10 +90,15 @@ def main() -> None:
     torch.set_num_threads(1)
     pyro.set_rng_seed(0)
     pyro.settings.set(module_local_params=True)
-    data = make_data()
-    plan = Plan()
+    rows = ROWS_PER_WORKER * args.devices
+    data = make_data(rows)
+    plan = Plan(rows)
     plan.loss_fn(*data[:2])  # AutoNormal creates its parameters here
-    options = {"comm_hook": pd.LowRankHook(rank=2, warmup_steps=2)} if args.hook else None
+    options: OptimizerOptions = {}
+    if args.hook:
+        options["comm_hook"] = pd.LowRankHook(rank=2, warmup_steps=2)
+    if args.no_overlap:
+        options["overlap"] = False
     callbacks = []
     if args.save_every is not None:
         callbacks.append(
@@ -99,8 +112,8 @@ def main() -> None:
     trainer = pl.Trainer(
         callbacks=callbacks,
         accelerator="cpu",
-        devices=2,
-        strategy=PyroDistributedStrategy(optimizer_options=options),
+        devices=args.devices,
+        strategy=PyroDistributedStrategy(optimizer_options=options or None),
         max_epochs=2,
         enable_progress_bar=False,
         enable_model_summary=False,
