@@ -36,17 +36,31 @@ def gather(engine: Engine, optim: FrontEnd) -> list[dict[str, Any]]:
     return states
 
 
-def check(saved: Mapping[str, Any], optim: FrontEnd, shown: str) -> None:
+def check(saved: Mapping[str, Any], optim: FrontEnd, engine: Engine, shown: str) -> None:
     """Refuse, before anything changes, a file (``saved``, the file ``shown``)
-    that holds a communication hook's state for an optimizer without a hook
-    that keeps state."""
-    states = saved.get(KEY) or []
-    if any(state.get("comm_hook") for state in states) and not optim.keeps_extension_state():
+    whose hook state for this worker the optimizer's hook cannot take: state
+    for an optimizer without a hook that keeps state, or state of another
+    hook or configuration (tried on a copy of the hook). At another number of
+    workers the state is not loaded, and not checked."""
+    states = saved.get(KEY)
+    if not states or saved.get("world_size") != engine.world_size:
+        return
+    mine = states[engine.rank]
+    if not mine.get("comm_hook"):
+        return
+    if not optim.keeps_extension_state():
         raise ValueError(
             f"the checkpoint {shown} holds the state of a communication hook that keeps "
             f"state (LowRankHook's, say), and this optimizer has none: pass the comm_hook "
             f"it was saved with"
         )
+    try:
+        optim.try_extension_state(mine)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(
+            f"the checkpoint {shown} holds communication hook state that this "
+            f"optimizer's hook cannot take ({exc}): pass the comm_hook it was saved with"
+        ) from exc
 
 
 def restore(saved: Mapping[str, Any], optim: FrontEnd, engine: Engine, shown: str) -> None:

@@ -137,7 +137,7 @@ def load(
                 f"scheduler(s); {len(schedulers)} were passed"
             )
         check_torch_optimizer(optimizer.wrapped, state["optimizer"], repr(os.fspath(path)))
-        extensions.check(state, optimizer, repr(os.fspath(path)))
+        extensions.check(state, optimizer, engine, repr(os.fspath(path)))
 
     files.agree(engine, check)
     if local:  # read before anything changes, so that a bad block leaves the run as it was

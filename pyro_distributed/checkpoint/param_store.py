@@ -91,7 +91,7 @@ def load(
         if with_optim:
             saved = state["param_store"]["params"]
             check_pyro_optim(optim.wrapped, state["optim"], saved, repr(os.fspath(path)))
-            extensions.check(state, optim, repr(os.fspath(path)))
+            extensions.check(state, optim, engine, repr(os.fspath(path)))
 
     files.agree(engine, check)
 

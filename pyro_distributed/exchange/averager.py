@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ..digest import digest
 from ..engines import Engine
 from .bucket import Bucket
 from .hooks import AverageHook, CommHook, Compressor
@@ -124,11 +125,10 @@ class GradientAverager:
         norm_slot = self.measure_norms and self._hook.tail_dtype(torch.float32) == torch.float32
         layouts = plan_layouts(params, self._cap_bytes, group_of, norm_slot)
         buckets = [
-            # Collective names (Horovod matches on them) come from the tensors' names.
             Bucket(
                 layout,
                 params,
-                f"pyro_distributed.grad.{names[layout.members[0]]}+{len(layout.members) - 1}",
+                bucket_name([names[member] for member in layout.members]),
                 self._hook,
                 self._engine.world_size,
                 self.measure_norms,
@@ -196,6 +196,16 @@ class GradientAverager:
             small = small + local[0] / world
         average = sum(_measured(b.average_sq for b in buckets), 0.0)
         return float(small), float(average) / to_mean**2
+
+
+def bucket_name(members: Sequence[str]) -> str:
+    """A bucket's name, from its members' names: the same on every worker and in
+    every process of the run, and different for different members (Horovod
+    pairs collectives by it, and a stateful hook keys its state by it)."""
+    first, more = members[0], len(members) - 1
+    if not more:
+        return f"pyro_distributed.grad.{first}+0"
+    return f"pyro_distributed.grad.{first}+{more}.{digest(tuple(members))[:8]}"
 
 
 def _measured(norms: Iterable[Tensor | None]) -> list[Tensor]:

@@ -118,13 +118,6 @@ class _InFlight:
             self.tail = layout.tail(self.result)
         return self.result
 
-    def kept(self, layout: Layout) -> Tensor:
-        """The result, which the step keeps: the hook commits its state."""
-        flat = self.done(layout)
-        assert self.reducing is not None
-        self.reducing.commit()
-        return flat
-
 
 class Bucket:
     """One layout's members, buffer and trip (see the module docstring).
@@ -159,6 +152,8 @@ class Bucket:
         self._measure = measure_norms
         self._resident: ResidentBuffer | None = None
         self._in_flight: _InFlight | None = None
+        #: The reduction received this step, whose state the hook commits if the step is kept.
+        self._received: Reducing | None = None
         #: Squared norms of the last step (with ``measure_norms``): this
         #: worker's, kept where the bucket has no norm slot; the sum over
         #: workers, read from the slot; and the averaged gradient's.
@@ -262,18 +257,27 @@ class Bucket:
         return self.layout.riders(in_flight.tail)
 
     def receive(self) -> bool:
-        """Wait for the reduction, keep it (the hook commits its state) and
-        point each member's ``.grad`` at its average; return whether every
-        average is finite."""
+        """Wait for the reduction and point each member's ``.grad`` at its
+        average; return whether every average is finite. The hook commits its
+        state at :meth:`settle`, once the step is known to be kept."""
         in_flight = self._in_flight
         assert in_flight is not None, "the bucket was not sent"
-        flat = in_flight.kept(self.layout)
+        flat = in_flight.done(self.layout)
+        self._received = in_flight.reducing
         self._in_flight = None
         return self._unpack(flat, in_flight.tail)
 
     def riders_dtype(self) -> torch.dtype | None:
         """The type riders travel in here, or ``None`` (:meth:`.hooks.CommHook.tail_dtype`)."""
         return self._hook.tail_dtype(self.layout.dtype)
+
+    def settle(self, kept: bool) -> None:
+        """End the step: the hook commits the state of the result received
+        (:meth:`receive`) if the step is ``kept`` (every gradient finite on
+        every worker), and keeps nothing of it otherwise."""
+        received, self._received = self._received, None
+        if kept and received is not None:
+            received.commit()
 
     def discard(self) -> None:
         """Finish a reduction still under way, and drop it: the hook keeps

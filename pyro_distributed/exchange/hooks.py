@@ -16,19 +16,28 @@ with ``comm_hook=`` runs the hook on the bucket cast to the narrow type
 (:class:`NarrowedHook`).
 
 **A hook that keeps state across steps** (:class:`~.low_rank.LowRankHook`
-keeps its error feedback) follows four rules, which make a resumed or
+keeps its error feedback) follows five rules, which make a resumed or
 rolled-back run continue exactly:
 
-* keep state by ``GradBucket.name`` (the same on every worker and in
-  every process of the run), and read the step from :attr:`~pyro_distributed.GradBucket.step`,
-  which a bucket sent again in the same step does not advance;
-* change it only in :meth:`~pyro_distributed.Reducing.commit`, which runs once for the result
-  a step keeps; a result dropped (:meth:`~pyro_distributed.Reducing.drop`: the bucket is sent
-  again, or the step runs without it) never commits;
-* return it from :meth:`~pyro_distributed.CommHook.state_dict` as plain data (tensors, numbers,
-  strings, lists, dicts), which checkpoints save for every worker, and take it
-  back in :meth:`~pyro_distributed.CommHook.load_state_dict`; loading ``{}`` starts afresh;
-* be picklable, as launched workers receive their optimizer pickled.
+* keep state by ``GradBucket.name`` (the same on every worker and in every
+  process of the run, and different for buckets of different members), and
+  read the step from :attr:`~pyro_distributed.GradBucket.step`, which a
+  bucket sent again in the same step does not advance;
+* change it only in :meth:`~pyro_distributed.Reducing.commit`, which runs
+  once for each result a step keeps, after all of the step's buckets
+  arrived, and only if every gradient is finite on every worker; a result
+  dropped (:meth:`~pyro_distributed.Reducing.drop`: the bucket is sent
+  again, or the step runs without it) and a skipped step never commit;
+* return it from :meth:`~pyro_distributed.CommHook.state_dict` as plain data
+  (tensors, numbers, strings, lists, dicts), which checkpoints save for every
+  worker, and take it back in :meth:`~pyro_distributed.CommHook.load_state_dict`;
+  loading ``{}`` starts afresh, and state of another configuration is a
+  ``ValueError``. Replace tensors rather than change them in place: a state
+  dict handed out must keep its values;
+* serve one optimizer: a second optimizer made with the same hook, while the
+  first lives, is refused (Lightning's strategy gives each optimizer a copy);
+* be picklable (a :func:`~pyro_distributed.launch` function that closes over
+  it sends it to the workers).
 
 The optimizer tells its hook when the step's state ends: a loaded checkpoint
 (:func:`~pyro_distributed.load_checkpoint`, Lightning's, a launch's
@@ -92,7 +101,9 @@ class GradBucket:
     index: int = 0
     #: Whether it is the last bucket in the step's order, the one that leaves
     #: at the optimizer call (a bucket sent again because a gradient changed
-    #: after it left may follow it, in the same step).
+    #: after it left may follow it, in the same step; a step that falls back
+    #: from overlap, when workers disagreed on the parameters, sends every
+    #: bucket again with a last one of its own).
     is_last: bool = True
     #: The optimizer steps taken before this one (restored with a
     #: checkpoint); a bucket sent again in the same step carries the same.
@@ -136,8 +147,10 @@ class Reducing(ABC):
         state the hook keeps across steps: that is :meth:`commit`'s."""
 
     def commit(self) -> None:  # noqa: B027 (a default that does nothing, by design)
-        """The step keeps this result (called once, after :meth:`wait`): update
-        what the hook keeps across steps. By default there is nothing to keep."""
+        """The step keeps this result: update what the hook keeps across steps.
+        Called once, after every bucket of the step arrived, and only when
+        every gradient is finite on every worker. By default there is nothing
+        to keep."""
 
     def drop(self) -> None:
         """Finish what is on the wire and keep nothing (the bucket is sent again,
@@ -204,7 +217,7 @@ class CommHook(ABC):
         """
         if state:
             raise ValueError(
-                f"{type(self).__name__} keeps no state across steps, but was given "
+                f"the comm_hook {self!r} keeps no state across steps, but was given "
                 f"state with entries {sorted(map(str, state))}: it was saved with another hook"
             )
 

@@ -104,8 +104,13 @@ class LowRankHook(CommHook):
     def _state(self, bucket: GradBucket) -> _BucketState:
         state = self._buckets.get(bucket.name)
         if state is None or state.shapes != bucket.shapes:
-            state = _BucketState(bucket.shapes, self._matrices(bucket))
+            state = _BucketState(bucket.shapes, self._matrices(bucket.shapes))
             self._buckets[bucket.name] = state
+        elif state.q and not _alike(state.q[0], bucket.buffer):
+            # Loaded from a file of another type or device (a run resumed with
+            # other compression, or elsewhere): carried over into the bucket's.
+            state.q = [q.to(bucket.buffer) for q in state.q]
+            state.error = [e.to(bucket.buffer) for e in state.error]
         return state
 
     def state_dict(self) -> dict[str, Any]:
@@ -134,28 +139,53 @@ class LowRankHook(CommHook):
                 shapes = tuple(torch.Size(shape) for shape in saved["shapes"])
                 matrices = [int(index) for index in saved["matrices"]]
                 q, error = list(saved["q"]), list(saved["error"])
-                fits = all(isinstance(t, Tensor) for t in (*q, *error)) and len(q) in (
-                    0,
-                    len(matrices),
-                )
-                fits = fits and len(error) in (0, len(q))
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(
                     f"LowRankHook: the state of bucket {name!r} is not a LowRankHook's "
                     f"({type(exc).__name__}: {exc})"
                 ) from exc
-            if not fits:
+            if matrices != self._matrices(shapes):
                 raise ValueError(
-                    f"LowRankHook: the state of bucket {name!r} holds {len(q)} factors and "
-                    f"{len(error)} errors for {len(matrices)} compressed members"
+                    f"LowRankHook: the state of bucket {name!r} compresses members {matrices}, "
+                    f"where this hook (rank={self.rank}, min_compression="
+                    f"{self.min_compression}) compresses {self._matrices(shapes)}: it was "
+                    f"saved with other settings"
                 )
+            self._check_factors(name, [shapes[index] for index in matrices], q, error)
             buckets[name] = _BucketState(shapes, matrices, q, error)
         self._buckets = buckets
 
-    def _matrices(self, bucket: GradBucket) -> list[int]:
+    def _check_factors(
+        self, name: str, shapes: list[torch.Size], q: list[Any], error: list[Any]
+    ) -> None:
+        """Refuse factors and errors that do not fit the compressed members' ``shapes``."""
+        if len(q) not in (0, len(shapes)) or len(error) not in (0, len(q)):
+            raise ValueError(
+                f"LowRankHook: the state of bucket {name!r} holds {len(q)} factors and "
+                f"{len(error)} errors for {len(shapes)} compressed members"
+            )
+        for held, shape in zip(q, shapes, strict=False):
+            rows, columns = shape[0], shape.numel() // shape[0]
+            wanted = (columns, min(self.rank, rows, columns))
+            if not isinstance(held, Tensor) or tuple(held.shape) != wanted:
+                found = list(held.shape) if isinstance(held, Tensor) else type(held).__name__
+                raise ValueError(
+                    f"LowRankHook: the state of bucket {name!r} holds a factor of shape "
+                    f"{found} for a {rows} x {columns} member, where rank={self.rank} "
+                    f"needs {list(wanted)}: it was saved with another rank"
+                )
+        for held, shape in zip(error, shapes, strict=False):
+            rows, columns = shape[0], shape.numel() // shape[0]
+            if not isinstance(held, Tensor) or tuple(held.shape) != (rows, columns):
+                raise ValueError(
+                    f"LowRankHook: the state of bucket {name!r} holds an error that is not "
+                    f"a {rows} x {columns} tensor"
+                )
+
+    def _matrices(self, shapes: tuple[torch.Size, ...]) -> list[int]:
         """The members worth compressing, by index."""
         chosen = []
-        for index, shape in enumerate(bucket.shapes):
+        for index, shape in enumerate(shapes):
             if len(shape) < 2:
                 continue
             rows, columns = shape[0], shape.numel() // shape[0]
@@ -286,6 +316,11 @@ class _LowRank(Reducing):
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
+
+
+def _alike(held: Tensor, like: Tensor) -> bool:
+    """Whether ``held`` has ``like``'s type and device."""
+    return held.dtype == like.dtype and held.device == like.device
 
 
 def _first_q(matrices: list[Tensor], rank: int, seed: int, dtype: torch.dtype) -> list[Tensor]:

@@ -200,15 +200,16 @@ class GradientSync:
                 plan, catalog, overlap, flag, step
             )
         self._last_buckets = buckets
+        kept = finite and not nonfinite_somewhere  # the same on every worker
+        for bucket in buckets.buckets:
+            bucket.settle(kept)  # a skipped step commits no hook state
         if overlap is not None:
             overlap.after_step(buckets)
             overlap.step = step + 1
         # The buckets' tuples, which are the same objects while the tensors are
         # (a proposal made again has tuples of its own): the front end's plan
         # recognises the step by them (optim.reducer.Plan.follow).
-        return Exchanged(
-            buckets.names, buckets.params, agreed.borrowed, finite and not nonfinite_somewhere
-        )
+        return Exchanged(buckets.names, buckets.params, agreed.borrowed, kept)
 
     def _buckets(self, plan: ExchangePlan, step: StepParams) -> BucketPlan:
         """The buckets of ``step``: at once the plan's own when it is the plan's

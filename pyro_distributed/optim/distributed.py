@@ -252,7 +252,9 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         # SVI hands over a new set of the same tensors at every step: the same
         # ids, the same plan (one pass, in C).
         reducer, key = self._reducer, frozenset(map(id, params))
-        plan = reducer.plan_for(key) or reducer.new_plan(key, _by_store_name(params))
+        plan = reducer.plan_for(key) or reducer.new_plan(
+            key, _by_store_name(params, required=reducer.sync is not None)
+        )
         reduced = reducer.reduce(plan, sparse)
         try:
             if reduced.finite:
@@ -367,12 +369,16 @@ class ParamStoreCatalog(Mapping[str, Tensor]):
         return len(pyro.get_param_store())
 
 
-def _by_store_name(params: Iterable[Tensor]) -> dict[str, Tensor]:
-    """``params`` by their param-store names, the names every worker shares."""
+def _by_store_name(params: Iterable[Tensor], required: bool = True) -> dict[str, Tensor]:
+    """``params`` by their param-store names, the names every worker shares
+    (``required=False``, with one worker: a tensor outside the store is named
+    by its place, as nothing is exchanged)."""
     store = pyro.get_param_store()
     named = {}
-    for param in params:
+    for place, param in enumerate(params):
         name = store.param_name(param)
+        if name is None and not required:
+            name = f"tensor {place}"
         if name is None:
             raise ValueError(
                 f"a tensor of shape {tuple(param.shape)} passed to the optimizer is not in "

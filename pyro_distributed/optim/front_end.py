@@ -109,6 +109,11 @@ class FrontEnd(ABC):
         """
         self._reducer.load_extension_state(state)
 
+    def try_extension_state(self, state: dict[str, Any]) -> None:
+        """Load ``state`` into a copy of the step's extensions, changing nothing
+        here: what :meth:`load_extension_state` would raise, it raises."""
+        self._reducer.try_extension_state(state)
+
     def keeps_extension_state(self) -> bool:
         """Whether the step's extensions may keep state across steps."""
         return self._reducer.keeps_extension_state()

@@ -41,6 +41,8 @@ derive from a plan (multi-tensor groups) they recognise by its stepped tuple.
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -178,6 +180,9 @@ class Reducer:
         self._local: LocalGradients | None = None
         self._channel: Channel | None = None
         self._epoch: Epoch | None = None
+        #: The modules whose buffers the last epoch averaged (read after a forget).
+        self._last_roots: list[Any] = []
+        _claim(self._stateful_hook(), self)
         self._binding = EngineBinding(engine)
         if self._binding.bound:
             self._bind()
@@ -335,11 +340,12 @@ class Reducer:
         return self._noise.estimate(batch_size)
 
     def buffers(self) -> dict[str, Tensor]:
-        """The buffers of the modules trained in this epoch, all dtypes (none
-        before its first step)."""
+        """The buffers of the modules trained so far, all dtypes (none before
+        the first step; after a forget, the last epoch's until the next step)."""
         epoch = self._epoch
         found = epoch.buffers if epoch is not None else None
-        return dict(named_buffers(found.roots if found is not None else []))
+        roots = found.roots if found is not None and found.roots else self._last_roots
+        return dict(named_buffers(roots))
 
     def extension_state(self) -> dict[str, Any]:
         """What this worker's extensions of the step keep across steps, as plain
@@ -361,12 +367,24 @@ class Reducer:
                 "has none: pass the comm_hook it was saved with"
             )
 
+    def try_extension_state(self, state: Mapping[str, Any]) -> None:
+        """:meth:`load_extension_state` on a copy of the hook (changing nothing)."""
+        hook = self.options.reduction.hook
+        if hook is not None:
+            copy.deepcopy(hook).load_state_dict(state.get("comm_hook") or {})
+
     def keeps_extension_state(self) -> bool:
         """Whether an extension may keep state across steps (its class says so)."""
+        return self._stateful_hook() is not None
+
+    def _stateful_hook(self) -> CommHook | None:
+        """The user's hook (under a narrowing), if its class keeps state."""
         hook = self.options.reduction.hook
         while isinstance(hook, NarrowedHook):
             hook = hook.hook
-        return hook is not None and type(hook).state_dict is not CommHook.state_dict
+        if hook is None or type(hook).state_dict is CommHook.state_dict:
+            return None
+        return hook
 
     def forget(self) -> None:
         """End the epoch: treat every tensor as new (after a checkpoint replaced
@@ -375,6 +393,30 @@ class Reducer:
         hands them a checkpoint's state). The next step starts a new epoch,
         in which every tensor takes worker 0's value."""
         if self._epoch is not None:
+            if self._epoch.buffers is not None:
+                self._last_roots = self._epoch.buffers.roots
             self._epoch.close()
             self._epoch = None
         self.load_extension_state({})
+
+
+#: The hooks that keep state, by id: each with the reducer it serves (both weakly).
+_SERVING: dict[int, tuple[weakref.ref[CommHook], weakref.ref[Reducer]]] = {}
+
+
+def _claim(hook: CommHook | None, reducer: Reducer) -> None:
+    """Let ``hook`` serve ``reducer`` alone: its state is kept by bucket name,
+    and two optimizers' buckets can share names (``param_groups[0][0]``)."""
+    if hook is None:
+        return
+    for key, (held, owner) in list(_SERVING.items()):
+        if held() is None or owner() is None:
+            del _SERVING[key]
+    serving = _SERVING.get(id(hook))
+    if serving is not None and serving[0]() is hook and serving[1]() is not reducer:
+        raise ValueError(
+            f"comm_hook: this {type(hook).__name__} already serves another optimizer; a hook "
+            f"that keeps state keeps it for one optimizer's buckets: give each optimizer "
+            f"its own (copy.deepcopy(hook), or a new one)"
+        )
+    _SERVING[id(hook)] = (weakref.ref(hook), weakref.ref(reducer))

@@ -180,8 +180,8 @@ def test_a_resumed_or_rolled_back_run_with_a_stateful_hook_continues_bitwise(
             assert not found["control"], f"{case}: the hook's state made no difference"
 
 
-def saved_at_two(path: str) -> None:
-    run = Run("pyro", "low_rank", True)
+def saved_at_two(path: str, kind: str = "low_rank") -> None:
+    run = Run("pyro", kind, True)
     for _ in range(4):
         run.step()
     run.save(path)
@@ -238,19 +238,40 @@ def test_hook_state_for_an_optimizer_without_a_stateful_hook_is_refused_by_name(
         pd.load_checkpoint(alone, optim)
 
 
+def test_another_hooks_state_is_refused_by_name_before_anything_changes(tmp_path: Path) -> None:
+    path = tmp_path / "topk.pt"
+    run_workers(saved_at_two, str(path), "topk")
+    state = files.load_file(path)
+    alone = tmp_path / "alone.pt"
+    one = {**state, "world_size": 1, "rng": state["rng"][:1]}
+    files.write_checkpoint(alone, {**one, "extensions": state["extensions"][:1]})
+    pyro.clear_param_store()
+    optim = pd.DistributedOptimizer(
+        pyro.optim.Adam({"lr": 0.05}), comm_hook=pd.LowRankHook(rank=2), engine="local"
+    )
+    with pytest.raises(
+        ValueError, match=r"alone\.pt.* hook state that this optimizer's hook cannot"
+    ):
+        pd.load_checkpoint(alone, optim)
+    assert not list(pyro.get_param_store().keys()), "refused before anything changed"
+    assert optim.num_steps == 0
+
+
 def test_a_low_rank_hook_pickles_with_its_state_and_refuses_foreign_state() -> None:
     hook = pd.LowRankHook(rank=2)
-    hook.load_state_dict(
-        {"b": {"shapes": [[4, 3]], "matrices": [0], "q": [torch.ones(3, 2)], "error": []}}
-    )
+    saved = {"shapes": [[40, 30], [7]], "matrices": [0], "q": [torch.ones(30, 2)], "error": []}
+    hook.load_state_dict({"b": saved})
     again = pickle.loads(pickle.dumps(hook))
-    assert again.state_dict()["b"]["shapes"] == [[4, 3]]
-    assert torch.equal(again.state_dict()["b"]["q"][0], torch.ones(3, 2))
+    assert again.state_dict()["b"]["shapes"] == [[40, 30], [7]]
+    assert torch.equal(again.state_dict()["b"]["q"][0], torch.ones(30, 2))
     with pytest.raises(ValueError, match="the state of bucket 'b' is not a LowRankHook's"):
         hook.load_state_dict({"b": {"q": []}})
     with pytest.raises(ValueError, match="holds 2 factors and 0 errors for 1 compressed"):
-        hook.load_state_dict(
-            {"b": {"shapes": [[4, 3]], "matrices": [0], "q": [torch.ones(1)] * 2, "error": []}}
-        )
-    with pytest.raises(ValueError, match="AverageHook keeps no state across steps"):
+        hook.load_state_dict({"b": {**saved, "q": [torch.ones(30, 2)] * 2}})
+    # Saved with another rank, or other settings: named, not carried on.
+    with pytest.raises(ValueError, match=r"factor of shape \[30, 2\] .* rank=1 needs \[30, 1\]"):
+        pd.LowRankHook(rank=1).load_state_dict({"b": saved})
+    with pytest.raises(ValueError, match=r"compresses members \[0\], where this hook"):
+        pd.LowRankHook(rank=2, min_compression=100.0).load_state_dict({"b": saved})
+    with pytest.raises(ValueError, match=r"AverageHook\(op='mean'.* keeps no state across steps"):
         AverageHook().load_state_dict({"x": 1})

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pyro_distributed as pd
-from pyro_distributed.exchange.averager import GradientAverager, Reduction
+from pyro_distributed.exchange.averager import GradientAverager, Reduction, bucket_name
 from pyro_distributed.exchange.compression import compressor
 
 from ..support.harness import ENGINES, CountingEngine, run_workers
@@ -176,3 +176,12 @@ def test_a_gradient_alone_is_scaled_bitwise_as_its_average_with_zeros() -> None:
     for results in run_workers(_alone_and_averaged, world_size=3):
         for averaged, alone in results:
             assert torch.equal(averaged, alone)
+
+
+def test_a_buckets_name_follows_all_of_its_members() -> None:
+    # Horovod pairs collectives by it and a stateful hook keys its state by it:
+    # buckets of different members must not share a name, on any worker.
+    assert bucket_name(["p"]) == "pyro_distributed.grad.p+0"
+    assert bucket_name(["a", "b"]) == bucket_name(["a", "b"])
+    assert bucket_name(["a", "b"]) != bucket_name(["a", "c"])
+    assert bucket_name(["a", "b"]).startswith("pyro_distributed.grad.a+1.")

@@ -4,22 +4,26 @@ which results it keeps.
 A recording hook (the exact average, summed then divided) runs six steps of
 a torch-native loop at W=2 with overlap and one bucket per parameter. At the
 fifth step a gradient is edited after backward, so its bucket, which left
-during backward, is stale and sent again. Every step must call the hook
+during backward, is stale and sent again; at the sixth, one worker's
+gradient is NaN, and the step is skipped. Every step must call the hook
 once per bucket with that step's number (the resend included), name one
 last bucket, commit one result per bucket and drop the stale one's without
-committing it. Compression together with a hook runs the hook on the
+committing it; the skipped step commits nothing. A hook that keeps state
+serves one optimizer. Compression together with a hook runs the hook on the
 narrowed bucket: with a hook that sums then halves, fp16 at W=2 is bitwise
 the built-in fp16 average (halving is exact).
 """
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections import Counter
 from typing import Any
 
 import pyro
 import pyro.distributions as dist
+import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
 
@@ -27,7 +31,7 @@ import pyro_distributed as pd
 
 from ..support.harness import run_workers
 
-STEPS, EDITED_AT = 6, 4
+STEPS, EDITED_AT, SKIPPED_AT = 7, 4, 5
 
 
 class Recorded(pd.Reducing):
@@ -76,6 +80,8 @@ def recorded_steps() -> dict[str, Any]:
             if step == EDITED_AT:
                 assert optimizer.sync is not None and optimizer.sync.overlap_armed
                 edited.grad.mul_(1.0)  # the same values, a new version: stale
+            if step == SKIPPED_AT and pd.rank() == 1:
+                edited.grad[0, 0] = float("nan")  # a stale bucket, and a skipped step
             optimizer.step()
     buckets = optimizer.sync.bucket_count if optimizer.sync is not None else 0
     return {
@@ -93,13 +99,14 @@ def test_a_hook_is_told_each_buckets_place_and_step_and_commits_only_what_is_kep
         for step in range(STEPS):
             calls = [event for event in events if event[0] == "call" and event[1] == step]
             counted = Counter(index for _, _, index, _, _ in calls)
-            resent = 1 if step == EDITED_AT else 0
+            resent = 1 if step in (EDITED_AT, SKIPPED_AT) else 0
             assert sorted(counted) == list(range(buckets)), (step, calls)
             assert sum(counted.values()) == buckets + resent, (step, calls)
             assert [is_last for *_, is_last, _ in calls].count(True) == 1, (step, calls)
             commits = [event for event in events if event[:2] == ("commit", step)]
             drops = [event for event in events if event[:2] == ("drop", step)]
-            assert sorted(index for *_, index in commits) == list(range(buckets)), step
+            kept = [] if step == SKIPPED_AT else list(range(buckets))
+            assert sorted(index for *_, index in commits) == kept, step
             assert len(drops) == resent, (step, drops)
         names = {event[2]: event[4] for event in events if event[0] == "call"}
         assert len(set(names.values())) == buckets, "each bucket has a name of its own"
@@ -145,3 +152,19 @@ def test_compression_with_a_hook_runs_the_hook_on_the_narrowed_bucket() -> None:
     hooked = run_workers(narrowed, True)
     for plain, with_hook in zip(alone, hooked, strict=True):
         assert torch.equal(plain["w"], with_hook["w"])
+
+
+def test_a_hook_that_keeps_state_serves_one_optimizer() -> None:
+    first = torch.nn.Linear(3, 2)
+    hook = pd.LowRankHook()
+    kept = pd.DistributedTorchOptimizer(torch.optim.SGD(first.parameters(), lr=0.1), comm_hook=hook)
+    second = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="this LowRankHook already serves another optimizer"):
+        pd.DistributedTorchOptimizer(second, comm_hook=hook)
+    # A hook that keeps nothing may serve several; one whose optimizer is gone is free.
+    shared = Recording()
+    pd.DistributedTorchOptimizer(torch.optim.SGD(first.parameters(), lr=0.1), comm_hook=shared)
+    pd.DistributedTorchOptimizer(second, comm_hook=shared)
+    del kept
+    gc.collect()
+    pd.DistributedTorchOptimizer(second, comm_hook=hook)

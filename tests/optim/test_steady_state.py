@@ -29,9 +29,11 @@ def _counted(calls: Counter[str]) -> None:
         original = getattr(module, name)
 
         @functools.wraps(original)
-        def counting(*args: Any, _original: Any = original, _name: str = name) -> Any:
+        def counting(
+            *args: Any, _original: Any = original, _name: str = name, **kwargs: Any
+        ) -> Any:
             calls[_name] += 1
-            return _original(*args)
+            return _original(*args, **kwargs)
 
         setattr(module, name, counting)
 

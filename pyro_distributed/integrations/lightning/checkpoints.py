@@ -149,23 +149,41 @@ def restore_counts(checkpoint: Mapping[str, Any], optimizers: Iterable[Any]) -> 
             optimizer.num_steps = count
 
 
+def _extension_entries(checkpoint: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """The entries :mod:`pyro_distributed.checkpoint.extensions` reads, for the
+    ``index``-th optimizer."""
+    saved = checkpoint.get(KEY) or {}
+    states = saved.get(extensions.KEY) or []
+    entries = {"world_size": saved.get("world_size")}
+    if index < len(states) and states[index] is not None:
+        entries[extensions.KEY] = states[index]
+    return entries
+
+
+def check_extensions(
+    checkpoint: Mapping[str, Any], optimizers: list[Any], engine: Engine, shown: str
+) -> None:
+    """Refuse, on every worker and before any optimizer is restored, hook state
+    that an optimizer's hook cannot take (a collective)."""
+
+    def check() -> None:
+        for index, optimizer in enumerate(optimizers):
+            if isinstance(optimizer, FrontEnd):
+                extensions.check(_extension_entries(checkpoint, index), optimizer, engine, shown)
+
+    files.agree(engine, check)
+
+
 def restore_extensions(
-    checkpoint: Mapping[str, Any], optimizers: Iterable[Any], engine: Engine, shown: str
+    checkpoint: Mapping[str, Any], optimizers: list[Any], engine: Engine, shown: str
 ) -> None:
     """Each distributed optimizer's communication hook, from the state this
     worker saved (:mod:`pyro_distributed.checkpoint.extensions`); afresh, with
     a warning, where the file holds none for this number of workers."""
-    saved = checkpoint.get(KEY) or {}
-    states = saved.get(extensions.KEY) or []
     for index, optimizer in enumerate(optimizers):
         if isinstance(optimizer, FrontEnd):
-            held = states[index] if index < len(states) else None
-            entries = {"world_size": saved.get("world_size")}
-            if held is not None:
-                entries[extensions.KEY] = held
-            extensions.check(entries, optimizer, shown)
             optimizer.forget()
-            extensions.restore(entries, optimizer, engine, shown)
+            extensions.restore(_extension_entries(checkpoint, index), optimizer, engine, shown)
 
 
 def restore_rng(checkpoint: Mapping[str, Any], engine: Engine) -> None:

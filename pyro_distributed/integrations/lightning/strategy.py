@@ -39,6 +39,7 @@ it changes is what DDP does with gradients and data:
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -101,6 +102,8 @@ class PyroDistributedStrategy(DDPStrategy):
     :param optimizer_options: options for every optimizer the strategy
         wraps (``bucket_cap_mb``, ``compression``, ``overlap``, ...; the keys of
         :class:`~pyro_distributed.integrations.lightning.OptimizerOptions`), checked here.
+        Each optimizer gets its own copy of ``comm_hook``: a hook keeps its
+        state for one optimizer (read it from ``strategy.optimizers``).
     :param start_method: how Lightning starts the workers: ``None`` (default)
         is ``"fork"`` in a Jupyter kernel and ``"popen"`` (a script's own
         launcher) elsewhere. With ``"fork"``, ``"spawn"`` or ``"forkserver"``,
@@ -360,6 +363,8 @@ class PyroDistributedStrategy(DDPStrategy):
             # multi_tensor is for pyro.optim optimizers: torch's step theirs together.
             options: dict[str, Any] = dict(self._optimizer_options)
             options.pop("multi_tensor", None)
+            # A hook that keeps state serves one optimizer: each gets a copy.
+            options["comm_hook"] = copy.deepcopy(options.get("comm_hook"))
             wrapped = DistributedTorchOptimizer(optimizer, engine=self.engine, **options)
         wrapped.engine  # noqa: B018 (bind now, before Lightning wraps it in a LightningOptimizer)
         return wrapped
@@ -445,6 +450,9 @@ class PyroDistributedStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None and self._resumption is not None
+        where = self._resumption.where
+        shown = "Lightning's checkpoint" if where is None else repr(str(where))
+        checkpoints.check_extensions(checkpoint, self.optimizers, self.engine, shown)
         saved = checkpoint.get(checkpoints.KEY) or {}
         pyro_state.restore_pyro_optimizer(  # a Pyro plan's optimizer (scvi-tools')
             self.lightning_module,
@@ -455,8 +463,6 @@ class PyroDistributedStrategy(DDPStrategy):
         states = checkpoints.optimizer_states(checkpoint, self._resumption)
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
         checkpoints.restore_counts(checkpoint, self.optimizers)
-        where = self._resumption.where
-        shown = "Lightning's checkpoint" if where is None else repr(str(where))
         checkpoints.restore_extensions(checkpoint, self.optimizers, self.engine, shown)
 
     def _restore_rng_at_first_batch(self) -> None:
