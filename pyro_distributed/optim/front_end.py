@@ -82,13 +82,18 @@ class FrontEnd(ABC):
 
     def forget(self) -> None:
         """Treat every parameter as new, after the tensors it steps were replaced
-        in place of a checkpoint's load (:func:`~pyro_distributed.load_checkpoint`
-        calls what this calls).
+        by other means than :func:`~pyro_distributed.load_checkpoint` (which
+        does this itself, then hands the hook its saved state).
 
         Ends what the optimizer learned of its tensors: the exchange's plans,
         the overlap's hooks, the modules whose buffers are averaged, and the
         communication hook's state (it starts afresh). At the next step every
         parameter takes worker 0's value once more.
+
+        Example::
+
+            pyro.get_param_store().set_state(saved_elsewhere)  # new tensors
+            optim.forget()  # on every worker
 
         .. warning::
             Call it on every worker at the same step.
