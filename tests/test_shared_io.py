@@ -36,7 +36,9 @@ def test_every_worker_waits_past_the_time_out_and_sees_the_failure() -> None:
     workers = run_workers(_slow_on_one_worker, 3.0, engine="")
     assert [worker["value"] for worker in workers] == [0, None]
     for worker in workers:
-        assert worker["took"] > 3.0  # three times the engine's time-out
+        # Worker 1 slept three times the engine's time-out; worker 0 waited for
+        # it past that time-out (it may have started up to a second later).
+        assert worker["took"] > 2.0
         assert worker["reports"][0] == "ok from 0"
         assert worker["failed"] == {1: ("error", "OSError: disk full (injected)")}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -58,6 +59,13 @@ def run(
     """The worker process's target."""
     processes.become_group_leader()
     processes.die_with_the_launcher()
+    # A SIGINT sent to a worker stops the launch with its KeyboardInterrupt,
+    # as in a plain script. Without this, a worker forked from the forkserver
+    # keeps what the server had when it started: SIGINT ignored, where the
+    # launching script ran as a background job of a shell script, and the
+    # worker slept through the signal. (A terminal's Ctrl-C never reaches a
+    # worker: each leads a process group of its own.)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _redirect_output(output)
     progress._channel = counts
     os.environ.clear()

@@ -113,11 +113,14 @@ def test_a_worker_that_would_listen_on_loopback_stops_every_host_at_once(tmp_pat
     with NamespaceCluster(2) as cluster:
         on_loopback = {cluster.hosts[1]: {"GLOO_SOCKET_IFNAME": "lo"}}
         outcomes = finish(_torchrun(cluster, tmp_path, steps=5, env=on_loopback), within=60)
-    for code, output, seconds in outcomes:
+    for code, output, _ in outcomes:
         assert code != 0
         assert "GLOO_SOCKET_IFNAME" in output, output[-4000:]
         assert "worker 1: 127.0.0.1 (interface lo) on host host1" in output, output[-4000:]
-        assert seconds < ENGINE_TIMEOUT
+    # At once: no host waited for the engine's time-out after the other stopped.
+    # (From the start, a loaded machine's start-up alone can take that long.)
+    ended = [seconds for _, _, seconds in outcomes]
+    assert max(ended) - min(ended) < ENGINE_TIMEOUT / 2, ended
 
 
 def test_lightning_with_workers_on_loopback_stops_every_host_naming_them(tmp_path: Path) -> None:

@@ -4,9 +4,11 @@ test waits for them. Shared by the torchrun and the mpiexec tests across hosts."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -28,19 +30,32 @@ def environment() -> dict[str, str]:
 
 
 def finish(processes: list[subprocess.Popen[str]], within: float) -> list[tuple[int, str, float]]:
-    """Each process's exit code, output and when it ended (seconds from now); a
-    process still running after ``within`` seconds fails the test."""
-    start, ended = time.monotonic(), []
-    for process in processes:
-        try:
-            output, _ = process.communicate(timeout=max(0.1, start + within - time.monotonic()))
-        except subprocess.TimeoutExpired:
+    """Each process's exit code, output and when it ended (seconds from now,
+    each process's own: they are awaited side by side); a process still
+    running after ``within`` seconds fails the test."""
+    start = time.monotonic()
+    ended: dict[int, tuple[int, str, float]] = {}
+
+    def await_one(index: int, process: subprocess.Popen[str]) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            output, _ = process.communicate(timeout=within)
+            ended[index] = (process.returncode, output, time.monotonic() - start)
+
+    waiters = [
+        threading.Thread(target=await_one, args=(index, process), daemon=True)
+        for index, process in enumerate(processes)
+    ]
+    for waiter in waiters:
+        waiter.start()
+    for waiter in waiters:
+        waiter.join()
+    for index, process in enumerate(processes):
+        if index not in ended:
             # The whole process group: a worker left alive would hold the pipe open.
             os.killpg(process.pid, signal.SIGKILL)
             output, _ = process.communicate()
             pytest.fail(f"a host was still running {within:g} s later:\n{output[-4000:]}")
-        ended.append((process.returncode, output, time.monotonic() - start))
-    return ended
+    return [ended[index] for index in range(len(processes))]
 
 
 #: The faults strike after this step: by then the exchange has opened its
