@@ -10,7 +10,7 @@
 #   documentation site with warnings as errors, build and check the sdist and
 #   wheel and import the wheel from a fresh venv, and run every test that
 #   --quick leaves out (launchers, W=3, the examples and the docs' code, Slurm,
-#   several hosts, Lightning's own launcher) but the Horovod and MPI ones, on
+#   Lightning's own launcher) but the Horovod, MPI and several-host ones, on
 #   two pytest workers (-n 2; the Slurm tests stay on one, tests/conftest.py);
 # - the integrations lane (scripts/test_integrations.sh): scvi-tools and
 #   cell2location trained through the strategy, on the lowest supported
@@ -18,7 +18,8 @@
 # - the newest lane (scripts/test_newest.sh): a new user's stack (Python 3.13,
 #   the registry's torch 2.15.0 CUDA build, pyro-ppl 1.9.2, Lightning 2.6.6),
 #   Horovod built against it, mypy against its annotations, the quick suite,
-#   and the Horovod and MPI tests.
+#   and the Horovod, MPI and several-host tests (hosts made of network
+#   namespaces: mostly waiting, and a new user's stack across hosts).
 #
 # The other lanes' output is printed when all are done, with each lane's time.
 #
@@ -108,11 +109,11 @@ bash scripts/check_package.sh
 echo "[test] pytest"
 # --durations: the slowest tests in every run's log, to keep the command's time in view.
 # --dist loadgroup: tests marked xdist_group (the Slurm ones) share one worker.
-# The quick suite and the Horovod and MPI tests run in the newest lane; -m
+# The quick suite and the Horovod, MPI and several-host tests run in the newest lane; -m
 # replaces the "not integrations" of pyproject.toml's addopts, so it is said again.
 status=0
 python -m pytest -n 2 --dist loadgroup --durations=25 --outside-quick \
-    -m "not (integrations or horovod or mpi)" "$@" || status=$?
+    -m "not (integrations or horovod or mpi or cluster)" "$@" || status=$?
 main_seconds=$((SECONDS - started))
 
 echo "[test] waiting for the other lanes"

@@ -4,8 +4,8 @@
 # build, pyro-ppl 1.9.2, Lightning 2.6.6), Horovod built against that torch
 # (scripts/install_horovod.sh: C++20, and CPU operations where the CUDA
 # toolkit is partial or there is no GPU), mypy against that torch's
-# annotations, and, in that venv, the quick suite, the Horovod tests and the MPI
-# tests.
+# annotations, and, in that venv, the quick suite, the Horovod tests, the MPI
+# tests and the tests across hosts made of network namespaces.
 #
 #   bash scripts/test_newest.sh [extra pytest arguments]
 set -euo pipefail
@@ -30,10 +30,10 @@ env -u CUDA_HOME -u CUDA_PATH PATH="$BASETEMP/partial-cuda/bin:$PATH" PIP_CONFIG
 status=0
 echo "[test] newest: mypy"
 "$NEWEST_PYTHON" -m mypy || status=$?
-echo "[test] newest: pytest --quick, then the Horovod and MPI tests"
+echo "[test] newest: pytest --quick, then the Horovod, MPI and several-host tests"
 # --dist loadgroup: the tests of a module that share one launch stay on one worker.
 "$NEWEST_PYTHON" -m pytest --basetemp "$BASETEMP/quick" --quick -n 2 --dist loadgroup \
     --durations=5 "$@" || status=$?
 "$NEWEST_PYTHON" -m pytest --basetemp "$BASETEMP/engines" -n 2 --dist loadgroup --durations=5 \
-    -m "horovod or mpi" "$@" || status=$?
+    -m "horovod or mpi or cluster" "$@" || status=$?
 exit "$status"
