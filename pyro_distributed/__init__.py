@@ -21,7 +21,7 @@ The subpackages are layers that import only downwards (``docs/development.md``;
 import-linter checks them).
 """
 
-from . import scaling
+from . import policies, scaling
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data.plates import data_plate
 from .data.shards import ShardSampler, even_batches, shard, shard_indices
@@ -38,6 +38,7 @@ from .optim.horovod import HorovodOptimizer
 from .optim.noise_scale import NoiseScale
 from .optim.torch_optimizer import DistributedTorchOptimizer
 from .partition import block_range
+from .policies import DiLoCo, LocalSGD, StepPolicy
 from .runtime import (
     all_mean,
     all_workers,
@@ -58,18 +59,21 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommHook",
+    "DiLoCo",
     "DistributedOptimizer",
     "DistributedTorchOptimizer",
     "Engine",
     "GradBucket",
     "HorovodOptimizer",
     "Launched",
+    "LocalSGD",
     "LowRankHook",
     "NoiseScale",
     "Predictive",
     "PyroDistributedError",
     "Reducing",
     "ShardSampler",
+    "StepPolicy",
     "all_mean",
     "all_workers",
     "any_worker",
@@ -87,6 +91,7 @@ __all__ = [
     "load_checkpoint",
     "local_rank",
     "local_rows",
+    "policies",
     "progress",
     "rank",
     "save_checkpoint",

@@ -46,9 +46,14 @@ def check(saved: Mapping[str, Any], optim: FrontEnd, engine: Engine, shown: str)
     if not states or saved.get("world_size") != engine.world_size:
         return
     mine = states[engine.rank]
-    if not mine.get("comm_hook"):
+    if not mine.get("comm_hook") and not mine.get("step_policy"):
         return
     if not optim.keeps_extension_state():
+        if not mine.get("comm_hook"):
+            raise ValueError(
+                f"the checkpoint {shown} holds the state of a step policy that keeps state, "
+                f"and this optimizer has none: pass the step_policy it was saved with"
+            )
         raise ValueError(
             f"the checkpoint {shown} holds the state of a communication hook that keeps "
             f"state (LowRankHook's, say), and this optimizer has none: pass the comm_hook "
@@ -57,6 +62,11 @@ def check(saved: Mapping[str, Any], optim: FrontEnd, engine: Engine, shown: str)
     try:
         optim.try_extension_state(mine)
     except (ValueError, TypeError, KeyError) as exc:
+        if str(exc).startswith("step policy"):
+            raise ValueError(
+                f"the checkpoint {shown} holds step policy state that this optimizer's "
+                f"step policy cannot take ({exc}): pass the step_policy it was saved with"
+            ) from exc
         raise ValueError(
             f"the checkpoint {shown} holds communication hook state that this "
             f"optimizer's hook cannot take ({exc}): pass the comm_hook it was saved with"
@@ -77,9 +87,13 @@ def restore(saved: Mapping[str, Any], optim: FrontEnd, engine: Engine, shown: st
         return
     if world_size != engine.world_size:
         if keeps_state or any(any(state.values()) for state in states):
+            policy = any(state.get("step_policy") for state in states)
+            what = "the communication hook's"
+            if policy:
+                what = "the step policy's and each worker's own"
             _warn(
-                f"the checkpoint {shown} holds the communication hook's state of "
-                f"{world_size} workers, which cannot be split among {engine.world_size}"
+                f"the checkpoint {shown} holds {what} state of {world_size} workers, which "
+                f"cannot be split among {engine.world_size}"
             )
         optim.load_extension_state({})
         return

@@ -107,14 +107,15 @@ def load(
         _restore_local(values, local, state["param_store"]["constraints"])
     optim.forget()
     sparse.drop_reads()  # rows read before the load are of the replaced tensors
-    if with_optim:
-        extensions.restore(state, optim, engine, repr(os.fspath(path)))
     if strict:
         # Names not created yet (a guide's, before its first call) are checked
         # at the first step, against what it steps.
         optim.expect_parameters(set(state["param_store"]["params"]) | set(local), os.fspath(path))
     if with_optim:
         optim.set_state({**state["optim"], **local_state})
+        # Last: under a policy that lets workers step alone, each worker's own
+        # optimizer state (and parameters, between sync points) replace worker 0's.
+        extensions.restore(state, optim, engine, repr(os.fspath(path)))
     optim.num_steps = state["num_steps"]
     files.restore_rng(state, engine)
     return int(state["num_steps"])

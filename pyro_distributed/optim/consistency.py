@@ -35,6 +35,9 @@ def assert_in_sync(optim: FrontEnd | None = None) -> None:
     :param optim: compare this optimizer's parameters, per-parameter state
         and module buffers (and use its engine); without it, the param store
         and the buffers of the modules holding its parameters are compared.
+        Under a step policy that lets workers step alone, the optimizer's
+        state is each worker's own and is left out; call it at a sync point
+        (``optim.in_sync``), where the parameters are identical.
     :raises PyroDistributedError: naming the first differing entry and which
         workers hold which version.
 
@@ -51,8 +54,7 @@ def assert_in_sync(optim: FrontEnd | None = None) -> None:
             f"DistributedTorchOptimizer or None, got {optim!r:.60}"
         )
     if optim is not None:
-        tensors, state = optim.checked_tensors(), optim.get_state()
-        compare_across_workers(optim.engine, tensors, optim.checked_buffers(), state)
+        optim.check_in_sync()
         return
     tensors = dict(pyro.get_param_store().named_parameters())
     buffers = dict(named_buffers(trained_modules(list(tensors.values()))))

@@ -27,6 +27,7 @@ from torch import Tensor
 from ..checks import check_bool
 from ..engines import Engine
 from ..exchange import CommHook, Compression, GradBucket, Reducing
+from ..policies import StepPolicy
 from ..pyro_internals import stored_unconstrained
 from .front_end import FrontEnd
 from .multi_tensor import GroupedStepper, grouping_refusal, groups_exactly
@@ -91,6 +92,11 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         engine) -> Reducing``. With ``compression``, the hook runs on the
         bucket cast to the narrow type. A hook's state is saved in
         checkpoints (:mod:`pyro_distributed.exchange.hooks` gives the rules).
+    :param step_policy: when workers exchange, and what (:mod:`pyro_distributed.policies`):
+        ``None`` (default) averages every step's gradients; :class:`~pyro_distributed.LocalSGD`
+        averages the parameters every few steps; :class:`~pyro_distributed.DiLoCo` steps an
+        outer optimizer by the workers' averaged moves. Workers then differ between sync
+        points (:attr:`~pyro_distributed.DistributedOptimizer.in_sync`).
 
     Example::
 
@@ -175,6 +181,7 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         overlap: bool = DEFAULTS.overlap,
         noise_scale: bool | float = DEFAULTS.noise_scale,
         comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None = DEFAULTS.comm_hook,
+        step_policy: StepPolicy | None = DEFAULTS.step_policy,
     ) -> None:
         # No super().__init__() on purpose: all optimizer state lives in the
         # wrapped optimizer, and attribute reads fall through to it (__getattr__).
@@ -186,6 +193,7 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
             overlap=overlap,
             noise_scale=noise_scale,
             comm_hook=comm_hook,
+            step_policy=step_policy,
         )
         check_bool("multi_tensor", multi_tensor, optional=True)
         self._configure(pyro_optim, engine, options, multi_tensor)
@@ -335,6 +343,12 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
     def set_state(self, state_dict: dict[str, Any]) -> None:
         """Hand state to the wrapped optimizer; applied as each parameter appears."""
         self.wrapped.set_state(state_dict)
+
+    def _own_optimizer_state(self) -> Any:
+        return self.wrapped.get_state()
+
+    def _load_own_optimizer_state(self, state: Any) -> None:
+        self.wrapped.set_state(state)  # applied as each parameter's optimizer is made
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.wrapped!r}, engine={self._reducer.describe_engine()})"

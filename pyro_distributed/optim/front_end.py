@@ -67,6 +67,14 @@ class FrontEnd(ABC):
         """Run :func:`~pyro_distributed.assert_in_sync` after every ``check_every``-th step."""
         return self._reducer.options.check_every
 
+    @property
+    def in_sync(self) -> bool:
+        """Whether the last step ended at a sync point, every worker's shared
+        parameters identical: always under the default step policy; under
+        :class:`~pyro_distributed.LocalSGD` and :class:`~pyro_distributed.DiLoCo`
+        after an average. Evaluate and save checkpoints where it is true."""
+        return self._reducer.in_sync
+
     def noise_scale(self, batch_size: int | None = None) -> NoiseScale:
         """The gradient noise scale so far (needs ``noise_scale=True``); no communication.
 
@@ -102,17 +110,30 @@ class FrontEnd(ABC):
 
     def extension_state(self) -> dict[str, Any]:
         """This worker's state of the step's extensions (the communication
-        hook's :meth:`~pyro_distributed.exchange.CommHook.state_dict`), as
-        plain data: what a checkpoint saves for every worker."""
-        return self._reducer.extension_state()
+        hook's :meth:`~pyro_distributed.exchange.CommHook.state_dict`, the step
+        policy's), as plain data: what a checkpoint saves for every worker.
+
+        Under a step policy that lets workers step alone
+        (:class:`~pyro_distributed.LocalSGD`, :class:`~pyro_distributed.DiLoCo`)
+        it holds this worker's own optimizer state too, and, between two sync
+        points, its own shared parameters: the rest of a checkpoint is worker 0's.
+        """
+        state = self._reducer.extension_state()
+        if self._reducer.steps_alone:
+            state["optimizer"] = self._own_optimizer_state()
+        return state
 
     def load_extension_state(self, state: dict[str, Any]) -> None:
         """Continue the step's extensions from ``state`` (an
         :meth:`extension_state`; ``{}`` starts them afresh).
 
-        :raises ValueError: for state the communication hook does not keep.
+        :raises ValueError: for state the communication hook or the step policy
+            does not keep.
         """
         self._reducer.load_extension_state(state)
+        own = state.get("optimizer")
+        if own is not None:
+            self._load_own_optimizer_state(own)
 
     def try_extension_state(self, state: dict[str, Any]) -> None:
         """Load ``state`` into a copy of the step's extensions, changing nothing
@@ -129,12 +150,21 @@ class FrontEnd(ABC):
         if self._reducer.check_due():
             self.check_in_sync()
 
+    @abstractmethod
+    def _own_optimizer_state(self) -> Any:
+        """This worker's wrapped optimizer's state, as a checkpoint holds it."""
+
+    @abstractmethod
+    def _load_own_optimizer_state(self, state: Any) -> None:
+        """Replace the wrapped optimizer's state by ``state`` (:meth:`_own_optimizer_state`)."""
+
     def check_in_sync(self) -> None:
         """:func:`~pyro_distributed.assert_in_sync` on the named parameters, the
         optimizer's state and the trained modules' buffers (a collective)."""
-        compare_across_workers(
-            self.engine, self.checked_tensors(), self.checked_buffers(), self.get_state()
-        )
+        # Under a policy that lets workers step alone, the wrapped optimizer's
+        # state is each worker's own: the parameters and buffers are compared.
+        state = {} if self._reducer.steps_alone else self.get_state()
+        compare_across_workers(self.engine, self.checked_tensors(), self.checked_buffers(), state)
 
     @abstractmethod
     def checked_tensors(self) -> dict[str, Tensor]:

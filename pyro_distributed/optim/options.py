@@ -39,6 +39,7 @@ from ..exchange import (
     as_hook,
     compressor,
 )
+from ..policies import StepPolicy
 from .noise_scale import NoiseScaleEstimator
 
 
@@ -55,6 +56,8 @@ class ReducerOptions:
     overlap: bool = True
     noise_scale: bool | float = False
     comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None = None
+    #: When workers exchange, and what (``None``: every step's gradients).
+    step_policy: StepPolicy | None = None
     #: How gradients are combined: from ``compression`` and ``comm_hook``, or
     #: Horovod's arguments.
     reduction: Reduction = field(default_factory=Reduction, compare=False)
@@ -72,6 +75,17 @@ class ReducerOptions:
         check_int("check_every", given.check_every, minimum=1, optional=True)
         check_bool("overlap", given.overlap)
         NoiseScaleEstimator.smoothing_of(given.noise_scale)  # fails here, not at step 1
+        policy = given.step_policy
+        if policy is not None and not isinstance(policy, StepPolicy):
+            raise TypeError(
+                f"step_policy must be a pyro_distributed.StepPolicy (pd.LocalSGD, pd.DiLoCo) "
+                f"or None, got {type(policy).__name__}"
+            )
+        if policy is not None and policy.steps_alone and given.noise_scale is not False:
+            raise ValueError(
+                f"noise_scale needs every step's averaged gradient, and step_policy={policy!r} "
+                f"lets workers step alone: leave one of them out"
+            )
         if reduction is None:
             hook = None if given.comm_hook is None else as_hook(given.comm_hook)
             narrow = compressor(given.compression)
@@ -112,6 +126,7 @@ class OptimizerOptions(TypedDict, total=False):
     overlap: bool
     noise_scale: bool | float
     comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None
+    step_policy: StepPolicy | None
     multi_tensor: bool | None
 
 

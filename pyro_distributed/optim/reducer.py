@@ -47,6 +47,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..engines import Engine
@@ -61,6 +62,7 @@ from ..exchange import (
 from ..local.gradients import LocalGradients, nonfinite_rows, scale_row_grads, split_local
 from ..local.registry import generation
 from ..local.sparse import RowGradients
+from ..policies import StepContext, StepPolicy
 from .module_buffers import BufferGroups, ModuleBuffers, named_buffers
 from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .options import EngineBinding, ReducerOptions
@@ -93,6 +95,9 @@ class Plan:
     #: The module buffers to average, and the sparse local parameters they were found with.
     buffers: BufferGroups | None = None
     buffers_with: tuple[str, ...] = ()
+    #: Whether a step ran on this plan: its first averages under every step
+    #: policy, so that every worker starts from worker 0's tensors.
+    stepped_once: bool = False
     _agreed: tuple[Tensor, ...] | None = None
 
     def follow(self, agreed: tuple[Tensor, ...]) -> None:
@@ -130,8 +135,15 @@ class Reduced:
     plan: Plan
     #: The row gradients of sparse local parameters (``local_updates="sparse"``).
     sparse: list[RowGradients]
-    #: The exchange's outcome; ``None`` with one worker.
+    #: The steps taken before this one.
+    step: int
+    #: Whether the gradients were averaged (else each worker steps on its own:
+    #: the step policy's choice).
+    averaged: bool = True
+    #: The exchange's outcome; ``None`` with one worker, or on a step alone.
     exchanged: Exchanged | None = None
+    #: On a step alone: whether this worker's gradients are finite.
+    finite_here: bool = True
     _finish_buffers: Callable[[], None] = _nothing
 
     @property
@@ -142,14 +154,17 @@ class Reduced:
 
     @property
     def finite(self) -> bool:
-        """Whether every gradient, on every worker, is finite (the same everywhere)."""
-        return self.exchanged is None or self.exchanged.finite
+        """Whether every gradient, on every worker, is finite (the same everywhere);
+        on a step alone, whether this worker's are."""
+        return self.finite_here if self.exchanged is None else self.exchanged.finite
 
     def named(self) -> dict[str, Tensor]:
         """Every stepped parameter by name: exchanged, local, sparse local."""
         exchanged = self.exchanged
         agreed = (
-            {} if exchanged is None else dict(zip(exchanged.names, exchanged.tensors, strict=True))
+            self.plan.replicated
+            if exchanged is None
+            else dict(zip(exchanged.names, exchanged.tensors, strict=True))
         )
         return {**agreed, **self.plan.local, **{rows.name: rows.tensor for rows in self.sparse}}
 
@@ -182,7 +197,20 @@ class Reducer:
         self._epoch: Epoch | None = None
         #: The modules whose buffers the last epoch averaged (read after a forget).
         self._last_roots: list[Any] = []
-        _claim(self._stateful_hook(), self)
+        #: Whether the last step ended with every worker's parameters identical,
+        #: and whether a drift check is owed until the next such step.
+        self._in_sync = True
+        self._check_owed = False
+        #: Whether the step policy continues from a checkpoint's state: then the
+        #: next plan's first step is the policy's to decide, as in the saved run.
+        self._continuing = False
+        #: This worker's own shared parameters a load handed over, until the
+        #: next step (a save before it holds them again).
+        self._own_loaded: dict[str, Tensor] = {}
+        _claim(self._stateful_hook(), self, "comm_hook")
+        policy = options.step_policy
+        if policy is not None and (policy.steps_alone or _keeps_state(policy, StepPolicy)):
+            _claim(policy, self, "step_policy")
         self._binding = EngineBinding(engine)
         if self._binding.bound:
             self._bind()
@@ -277,12 +305,21 @@ class Reducer:
         assert plan is epoch.plan, "a plan of this epoch (plan_for or new_plan)"
         step = self._num_steps
         self._num_steps += 1
+        policy = self.options.step_policy
+        averaged = (
+            policy is None
+            or policy.averages_gradients(step)
+            or not (plan.stepped_once or self._continuing)
+        )
+        plan.stepped_once, self._continuing, self._own_loaded = True, False, {}
         sync, buffers = epoch.sync, epoch.buffers
         if sync is None or buffers is None:
             plan.follow(plan.alone)
-            return Reduced(plan, sparse)
+            return Reduced(plan, sparse, step, averaged)
         local_gradients = self._local
         assert local_gradients is not None  # bound with the exchange
+        if not averaged:
+            return self._alone(plan, sparse, step, sync, local_gradients)
         if plan.exchange is None:  # the plan's first exchange
             plan.exchange = sync.plan(plan.replicated)
         local = plan.local
@@ -296,7 +333,7 @@ class Reducer:
             plan.exchange, self._catalog_now, nonfinite_here=not local_finite, step=step
         )
         plan.follow(exchanged.tensors)
-        reduced = Reduced(plan, sparse, exchanged)
+        reduced = Reduced(plan, sparse, step, True, exchanged)
         if reduced.finite and self._noise is not None and exchanged.tensors:
             self._noise.observe(*sync.squared_norms())  # before the optimizer clips
         # The modules are those of the plan's tensors, and of the sparse local
@@ -307,6 +344,28 @@ class Reducer:
         reduced._finish_buffers = buffers.start(plan.buffers)  # travels while the optimizer steps
         return reduced
 
+    def _alone(
+        self,
+        plan: Plan,
+        sparse: list[RowGradients],
+        step: int,
+        sync: GradientSync,
+        local_gradients: LocalGradients,
+    ) -> Reduced:
+        """A step whose gradients stay this worker's (the step policy's choice).
+        Local gradients are scaled as on an averaged step, so that an owned
+        parameter steps alike under every policy."""
+        plan.follow(plan.alone)
+        finite = True
+        if plan.local or sparse:
+            scale = sync.average_alone_
+            finite = local_gradients.prepare(plan.local, scale, scale_row_grads(sparse, scale))
+        grads = [t.grad for t in plan.alone if t.grad is not None]
+        if grads:
+            norms = torch._foreach_norm(grads)
+            finite = finite and bool(torch.isfinite(torch.stack(norms)).all())
+        return Reduced(plan, sparse, step, False, finite_here=finite)
+
     def _catalog_now(self) -> Mapping[str, Tensor]:
         """The catalog, as the exchange asks for it (only when workers disagree)."""
         return self._catalog
@@ -316,21 +375,56 @@ class Reducer:
         not): the buffers' average, the refusal (or skip warning) of a
         non-finite step, release of borrowed gradients."""
         exchanged = reduced.exchanged
-        if exchanged is None:
-            return
-        reduced._finish_buffers()
-        if not exchanged.finite:
-            names = (*exchanged.names, *reduced.plan.local)
-            named = zip(names, reduced.tensors, strict=True)
+        if exchanged is not None:
+            reduced._finish_buffers()
+            if not exchanged.finite:
+                names = (*exchanged.names, *reduced.plan.local)
+                named = zip(names, reduced.tensors, strict=True)
+                extra = nonfinite_rows(reduced.sparse)
+                refuse_nonfinite(named, self._num_steps, self.options.nonfinite, 5, extra)
+            exchanged.release_borrowed()
+        elif not reduced.finite_here:
+            own = reduced.named().items()
             extra = nonfinite_rows(reduced.sparse)
-            refuse_nonfinite(named, self._num_steps, self.options.nonfinite, 5, extra)
-        exchanged.release_borrowed()
+            refuse_nonfinite(own, self._num_steps, self.options.nonfinite, 5, extra, alone=True)
+        self._after_step(reduced)
+
+    def _after_step(self, reduced: Reduced) -> None:
+        """The step policy's part after the optimizer stepped; at a sync point
+        reached by averaging parameters, the modules' buffers are averaged too."""
+        policy = self.options.step_policy
+        if policy is None:
+            return
+        context = StepContext(self.engine, reduced.step, reduced.averaged, reduced.plan.replicated)
+        self._in_sync = policy.after_step(context)
+        epoch = self._epoch
+        buffers = None if epoch is None else epoch.buffers
+        if self._in_sync and not reduced.averaged and buffers is not None:
+            buffers.start(buffers.groups(reduced.named()))()
+
+    @property
+    def in_sync(self) -> bool:
+        """Whether the last step ended at a sync point: every worker's shared
+        parameters identical (always, under the default step policy)."""
+        return self._in_sync
+
+    @property
+    def steps_alone(self) -> bool:
+        """Whether the step policy lets workers step alone between sync points."""
+        policy = self.options.step_policy
+        return policy is not None and policy.steps_alone
 
     def check_due(self) -> bool:
         """Whether the step just done is a ``check_every``-th one, with more
         than one worker: the front end then runs the drift check."""
         every = self.options.check_every
-        return every is not None and self._channel is not None and self._num_steps % every == 0
+        if every is None or self._channel is None:
+            return False
+        # Under a policy that lets workers step alone, at the first sync point on.
+        self._check_owed = self._check_owed or self._num_steps % every == 0
+        due = self._check_owed and self._in_sync
+        self._check_owed = self._check_owed and not due
+        return due
 
     def noise_scale(self, batch_size: int | None) -> NoiseScale:
         """The gradient noise scale so far; ``ValueError`` without ``noise_scale=True``."""
@@ -349,16 +443,52 @@ class Reducer:
 
     def extension_state(self) -> dict[str, Any]:
         """What this worker's extensions of the step keep across steps, as plain
-        data: ``{"comm_hook": ...}``, the hook's
-        :meth:`~pyro_distributed.exchange.CommHook.state_dict` (``{}`` for the
-        exact average). Checkpoints save it for every worker."""
-        hook = self.options.reduction.hook
-        return {"comm_hook": {} if hook is None else hook.state_dict()}
+        data: ``{"comm_hook": ..., "step_policy": ...}``, the communication
+        hook's and the step policy's ``state_dict()`` (``{}`` for the defaults);
+        between two sync points of a policy that lets workers step alone, also
+        this worker's own shared parameters (``"parameters"``, by shared name).
+        Checkpoints save it for every worker."""
+        hook, policy = self.options.reduction.hook, self.options.step_policy
+        state: dict[str, Any] = {
+            "comm_hook": {} if hook is None else hook.state_dict(),
+            "step_policy": {} if policy is None else policy.state_dict(),
+        }
+        plan = None if self._epoch is None else self._epoch.plan
+        if not self._in_sync:
+            own = self._own_loaded if plan is None else plan.replicated
+            state["parameters"] = {name: tensor.detach().clone() for name, tensor in own.items()}
+        return state
 
     def load_extension_state(self, state: Mapping[str, Any]) -> None:
         """Continue the extensions from ``state`` (an :meth:`extension_state`;
-        ``{}``: afresh). ``ValueError`` for state the hook does not keep."""
-        hook = self.options.reduction.hook
+        ``{}``: afresh). ``ValueError`` for state they do not keep."""
+        self._load_extensions(state, self.options.reduction.hook, self.options.step_policy)
+        own = state.get("parameters") or {}
+        with torch.no_grad():
+            for name, value in own.items():
+                held = self._catalog.get(name)
+                if held is None or held.shape != value.shape:
+                    raise ValueError(
+                        f"step policy: this worker's saved parameter {name!r} is not in the "
+                        f"{self._catalog_name}, or not in that shape"
+                    )
+                held.copy_(value)
+        self._in_sync, self._own_loaded = not own, dict(own)
+        self._continuing = bool(state.get("step_policy"))
+
+    def try_extension_state(self, state: Mapping[str, Any]) -> None:
+        """:meth:`load_extension_state` on copies of the extensions (changing nothing)."""
+        hook, policy = self.options.reduction.hook, self.options.step_policy
+        self._load_extensions(state, copy.deepcopy(hook), copy.deepcopy(policy))
+        # The parameters are checked against the file's own (which the load
+        # restores first): here, that they are tensors by name.
+        own = state.get("parameters") or {}
+        if not isinstance(own, Mapping) or not all(isinstance(t, Tensor) for t in own.values()):
+            raise ValueError("step policy: this worker's parameters are not tensors by name")
+
+    def _load_extensions(
+        self, state: Mapping[str, Any], hook: CommHook | None, policy: StepPolicy | None
+    ) -> None:
         if hook is not None:
             hook.load_state_dict(state.get("comm_hook") or {})
         elif state.get("comm_hook"):
@@ -366,23 +496,30 @@ class Reducer:
                 "the checkpoint holds a communication hook's state, and this optimizer "
                 "has none: pass the comm_hook it was saved with"
             )
-
-    def try_extension_state(self, state: Mapping[str, Any]) -> None:
-        """:meth:`load_extension_state` on a copy of the hook (changing nothing)."""
-        hook = self.options.reduction.hook
-        if hook is not None:
-            copy.deepcopy(hook).load_state_dict(state.get("comm_hook") or {})
+        if policy is not None:
+            try:
+                policy.load_state_dict(state.get("step_policy") or {})
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(f"step policy: {exc}") from exc
+        elif state.get("step_policy") or state.get("parameters"):
+            raise ValueError(
+                "the checkpoint holds a step policy's state, and this optimizer has none: "
+                "pass the step_policy it was saved with"
+            )
 
     def keeps_extension_state(self) -> bool:
         """Whether an extension may keep state across steps (its class says so)."""
-        return self._stateful_hook() is not None
+        policy = self.options.step_policy
+        return self._stateful_hook() is not None or (
+            policy is not None and _keeps_state(policy, StepPolicy)
+        )
 
     def _stateful_hook(self) -> CommHook | None:
         """The user's hook (under a narrowing), if its class keeps state."""
         hook = self.options.reduction.hook
         while isinstance(hook, NarrowedHook):
             hook = hook.hook
-        if hook is None or type(hook).state_dict is CommHook.state_dict:
+        if hook is None or not _keeps_state(hook, CommHook):
             return None
         return hook
 
@@ -400,23 +537,29 @@ class Reducer:
         self.load_extension_state({})
 
 
-#: The hooks that keep state, by id: each with the reducer it serves (both weakly).
-_SERVING: dict[int, tuple[weakref.ref[CommHook], weakref.ref[Reducer]]] = {}
+def _keeps_state(extension: Any, base: type) -> bool:
+    """Whether ``extension``'s class overrides ``state_dict`` of ``base``."""
+    return type(extension).state_dict is not base.state_dict  # type: ignore[attr-defined]
 
 
-def _claim(hook: CommHook | None, reducer: Reducer) -> None:
-    """Let ``hook`` serve ``reducer`` alone: its state is kept by bucket name,
-    and two optimizers' buckets can share names (``param_groups[0][0]``)."""
-    if hook is None:
+#: The extensions that keep state, by id: each with the reducer it serves (both weakly).
+_SERVING: dict[int, tuple[weakref.ref[Any], weakref.ref[Reducer]]] = {}
+
+
+def _claim(extension: Any, reducer: Reducer, option: str) -> None:
+    """Let ``extension`` (a hook, a step policy: the ``option``) serve
+    ``reducer`` alone: its state is kept by bucket or parameter name, and two
+    optimizers' names can be the same (``param_groups[0][0]``)."""
+    if extension is None:
         return
     for key, (held, owner) in list(_SERVING.items()):
         if held() is None or owner() is None:
             del _SERVING[key]
-    serving = _SERVING.get(id(hook))
-    if serving is not None and serving[0]() is hook and serving[1]() is not reducer:
+    serving = _SERVING.get(id(extension))
+    if serving is not None and serving[0]() is extension and serving[1]() is not reducer:
         raise ValueError(
-            f"comm_hook: this {type(hook).__name__} already serves another optimizer; a hook "
-            f"that keeps state keeps it for one optimizer's buckets: give each optimizer "
-            f"its own (copy.deepcopy(hook), or a new one)"
+            f"{option}: this {type(extension).__name__} already serves another optimizer; "
+            f"one that keeps state keeps it for one optimizer's tensors: give each optimizer "
+            f"its own (copy.deepcopy, or a new one)"
         )
-    _SERVING[id(hook)] = (weakref.ref(hook), weakref.ref(reducer))
+    _SERVING[id(extension)] = (weakref.ref(extension), weakref.ref(reducer))

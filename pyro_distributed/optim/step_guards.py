@@ -30,23 +30,28 @@ def refuse_nonfinite(
     mode: Literal["skip", "raise"],
     stacklevel: int = 4,
     extra: Sequence[str] = (),
+    alone: bool = False,
 ) -> None:
     """Skip the step with a :class:`RuntimeWarning` (or raise), naming the
     parameters whose gradient is not finite (and ``extra`` ones, whose
-    gradients are held elsewhere); the same on every worker."""
+    gradients are held elsewhere); the same on every worker. ``alone``: a
+    step on this worker's own gradients (the step policy's), skipped or
+    refused by this worker."""
     bad = [
         name
         for name, param in named
         if param.grad is not None and not bool(torch.isfinite(param.grad).all())
     ] + list(extra)
+    whose = "this worker's own gradient" if alone else "the averaged gradient"
     message = (
-        f"the averaged gradient of {', '.join(map(repr, bad[:5]))}"
+        f"{whose} of {', '.join(map(repr, bad[:5]))}"
         f"{f' and {len(bad) - 5} more' if len(bad) > 5 else ''} is not finite "
-        f"(NaN or Inf on at least one worker) at step {step}"
+        f"({'NaN or Inf' if alone else 'NaN or Inf on at least one worker'}) at step {step}"
     )
     if mode == "raise":
         raise PyroDistributedError(message)
-    warnings.warn(f"{message}; every worker skips this step", RuntimeWarning, stacklevel=stacklevel)
+    who = "this worker skips this step (a step alone)" if alone else "every worker skips this step"
+    warnings.warn(f"{message}; {who}", RuntimeWarning, stacklevel=stacklevel)
 
 
 def check_state_fits(optimizer: torch.optim.Optimizer, local: dict[str, Tensor]) -> None:

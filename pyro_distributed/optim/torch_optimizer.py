@@ -44,6 +44,7 @@ from torch import Tensor
 from ..engines import Engine
 from ..exchange import CommHook, Compression, GradBucket, Reducing
 from ..local.gradients import split_local
+from ..policies import StepPolicy
 from ..torch_internals import init_optimizer_hooks
 from .front_end import FrontEnd
 from .options import DEFAULTS, ReducerOptions
@@ -123,6 +124,7 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         overlap: bool = DEFAULTS.overlap,
         noise_scale: bool | float = DEFAULTS.noise_scale,
         comm_hook: CommHook | Callable[[GradBucket, Engine], Reducing] | None = DEFAULTS.comm_hook,
+        step_policy: StepPolicy | None = DEFAULTS.step_policy,
     ) -> None:
         # No super().__init__(): the wrapped optimizer's groups, state and
         # defaults are shared below, so that everything acting on this object
@@ -143,6 +145,7 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
             overlap=overlap,
             noise_scale=noise_scale,
             comm_hook=comm_hook,
+            step_policy=step_policy,
         )
         self.wrapped = optimizer
         self._synchronized: Reduced | None = None
@@ -296,6 +299,12 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         """Per-parameter optimizer state of the replicated parameters, by exchange
         name (for drift checks)."""
         return self._names.state()
+
+    def _own_optimizer_state(self) -> Any:
+        return self.wrapped.state_dict()
+
+    def _load_own_optimizer_state(self, state: Any) -> None:
+        self.wrapped.load_state_dict(state)
 
     def checked_tensors(self) -> dict[str, Tensor]:
         """The parameters that must be identical on every worker (local ones are

@@ -42,9 +42,13 @@ RESUMED_AT = 4
 KEY, EXTENSIONS = "pyro_distributed", "extensions"
 
 
-def run(out: Path, *options: str, workers: int = 2) -> tuple[list[dict[str, Any]], str]:
-    """Each worker's record, and the end of the run's output."""
-    command = [sys.executable, str(SCRIPT), "--hook", "--out", str(out), *options]
+def run(
+    out: Path, *options: str, workers: int = 2, hook: bool = True
+) -> tuple[list[dict[str, Any]], str]:
+    """Each worker's record, and the end of the run's output (``hook``: through
+    ``LowRankHook``)."""
+    command = [sys.executable, str(SCRIPT), *(["--hook"] if hook else []), "--out", str(out)]
+    command += list(options)
     command += ["--devices", str(workers)]
     code, output = run_script(command, ROOT, timeout=900)
     assert code == 0, f"exit {code}\n{output}"

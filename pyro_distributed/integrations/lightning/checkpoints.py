@@ -149,41 +149,71 @@ def restore_counts(checkpoint: Mapping[str, Any], optimizers: Iterable[Any]) -> 
             optimizer.num_steps = count
 
 
-def _extension_entries(checkpoint: Mapping[str, Any], index: int) -> dict[str, Any]:
+#: Where the extension states of a Pyro plan's optimizer (scvi-tools') live,
+#: beside those of ``configure_optimizers``' optimizers.
+PYRO_OPTIM_EXTENSIONS = "pyro_optim_extensions"
+
+
+def _extension_entries(checkpoint: Mapping[str, Any], index: int | None) -> dict[str, Any]:
     """The entries :mod:`pyro_distributed.checkpoint.extensions` reads, for the
-    ``index``-th optimizer."""
+    ``index``-th optimizer (``None``: the Pyro plan's)."""
     saved = checkpoint.get(KEY) or {}
-    states = saved.get(extensions.KEY) or []
     entries = {"world_size": saved.get("world_size")}
+    if index is None:
+        if saved.get(PYRO_OPTIM_EXTENSIONS) is not None:
+            entries[extensions.KEY] = saved[PYRO_OPTIM_EXTENSIONS]
+        return entries
+    states = saved.get(extensions.KEY) or []
     if index < len(states) and states[index] is not None:
         entries[extensions.KEY] = states[index]
     return entries
 
 
+def _distributed(optimizers: list[Any], pyro_optim: Any) -> list[tuple[int | None, FrontEnd]]:
+    """The distributed optimizers by place: ``configure_optimizers``' by index,
+    the Pyro plan's (``None``)."""
+    found: list[tuple[int | None, FrontEnd]] = [
+        (index, optimizer)
+        for index, optimizer in enumerate(optimizers)
+        if isinstance(optimizer, FrontEnd)
+    ]
+    if isinstance(pyro_optim, FrontEnd):
+        found.append((None, pyro_optim))
+    return found
+
+
 def check_extensions(
-    checkpoint: Mapping[str, Any], optimizers: list[Any], engine: Engine, shown: str
+    checkpoint: Mapping[str, Any],
+    optimizers: list[Any],
+    engine: Engine,
+    shown: str,
+    pyro_optim: Any = None,
 ) -> None:
-    """Refuse, on every worker and before any optimizer is restored, hook state
-    that an optimizer's hook cannot take (a collective)."""
+    """Refuse, on every worker and before any optimizer is restored, hook or
+    step policy state that an optimizer cannot take (a collective)."""
 
     def check() -> None:
-        for index, optimizer in enumerate(optimizers):
-            if isinstance(optimizer, FrontEnd):
-                extensions.check(_extension_entries(checkpoint, index), optimizer, engine, shown)
+        for index, optimizer in _distributed(optimizers, pyro_optim):
+            extensions.check(_extension_entries(checkpoint, index), optimizer, engine, shown)
 
     files.agree(engine, check)
 
 
 def restore_extensions(
-    checkpoint: Mapping[str, Any], optimizers: list[Any], engine: Engine, shown: str
+    checkpoint: Mapping[str, Any],
+    optimizers: list[Any],
+    engine: Engine,
+    shown: str,
+    pyro_optim: Any = None,
 ) -> None:
-    """Each distributed optimizer's communication hook, from the state this
-    worker saved (:mod:`pyro_distributed.checkpoint.extensions`); afresh, with
-    a warning, where the file holds none for this number of workers."""
-    for index, optimizer in enumerate(optimizers):
-        if isinstance(optimizer, FrontEnd):
-            optimizer.forget()
-            extensions.restore(_extension_entries(checkpoint, index), optimizer, engine, shown)
+    """Each distributed optimizer's communication hook and step policy (and,
+    under a policy that lets workers step alone, this worker's own optimizer
+    state), from the state this worker saved
+    (:mod:`pyro_distributed.checkpoint.extensions`); afresh, with a warning,
+    where the file holds none for this number of workers."""
+    for index, optimizer in _distributed(optimizers, pyro_optim):
+        optimizer.forget()
+        extensions.restore(_extension_entries(checkpoint, index), optimizer, engine, shown)
 
 
 def restore_rng(checkpoint: Mapping[str, Any], engine: Engine) -> None:
@@ -271,6 +301,7 @@ def save(
     shared = engine.allgather_object((signature, problem))
     _refuse(filepath, shared, local, places, target, checkpoint_io)
     pyro_shared, pyro_rows = pyro_state.pyro_optimizer_state(module, local)
+    pyro_optim = pyro_state.pyro_optimizer(module)
     meta = {
         "pyro_optim": pyro_shared,  # a Pyro plan's optimizer (scvi-tools'), rows in the blocks
         "pyro_optim_steps": pyro_state.pyro_optimizer_steps(module),
@@ -278,11 +309,14 @@ def save(
         "rng": files.gather_rng(engine),  # plain data, as weights_only=True accepts
         "shared_rng": shared_generator().get_state(),
         "num_steps": [getattr(optimizer, "num_steps", None) for optimizer in optimizers],
-        # Per optimizer, every worker's state of its communication hook.
+        # Per optimizer, every worker's state of its hook and step policy.
         extensions.KEY: [
             extensions.gather(engine, optimizer) if isinstance(optimizer, FrontEnd) else None
             for optimizer in optimizers
         ],
+        PYRO_OPTIM_EXTENSIONS: (
+            extensions.gather(engine, pyro_optim) if isinstance(pyro_optim, FrontEnd) else None
+        ),
     }
     if target is None:  # a remote path, no local parameters: as Lightning writes it
         if engine.rank == 0:

@@ -32,7 +32,8 @@ identical is the optimizer step's job.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import copy
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import pyro
@@ -46,6 +47,7 @@ from ...errors import PyroDistributedError
 from ...local.registry import local_params
 from ...optim.consistency import require_identical
 from ...optim.distributed import DistributedOptimizer
+from ...optim.front_end import FrontEnd
 
 
 def distribute_svi_optimizers(
@@ -69,7 +71,12 @@ def distribute_svi_optimizers(
                 f"give the SVI a pyro.optim optimizer, or wrap it in "
                 f"pd.DistributedOptimizer yourself"
             )
-        distributed = DistributedOptimizer(optim, engine=engine, **options)
+        # A hook or a step policy that keeps state serves one optimizer: each its own.
+        own = {**options}
+        for name in ("comm_hook", "step_policy"):
+            if own.get(name) is not None:
+                own[name] = copy.deepcopy(own[name])
+        distributed = DistributedOptimizer(optim, engine=engine, **own)
         for name, value in list(vars(owner).items()):
             if value is optim:  # the plan's own reference to it (scvi-tools: plan.optim)
                 setattr(owner, name, distributed)
@@ -85,6 +92,17 @@ def _svis(module: torch.nn.Module) -> Iterator[tuple[str, object, Any]]:
             if isinstance(value, SVI):
                 where = f"{type(module).__name__}{'.' + prefix if prefix else ''}.{name}"
                 yield where, submodule, value
+
+
+def at_a_sync_point(module: torch.nn.Module, optimizers: Iterable[Any]) -> bool:
+    """Whether every distributed optimizer of the run (``configure_optimizers``'
+    and the module's SVIs') ended its last step at a sync point of its step
+    policy: only then must the workers' parameters agree. The same on every
+    worker (a policy decides from the step count)."""
+    held = [svi.optim for _, _, svi in _svis(module)]
+    return all(
+        optimizer.in_sync for optimizer in [*optimizers, *held] if isinstance(optimizer, FrontEnd)
+    )
 
 
 def check_in_sync(module: torch.nn.Module, engine: Engine, when: str) -> None:

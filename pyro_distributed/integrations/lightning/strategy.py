@@ -58,6 +58,7 @@ from ...data.subsample import shard_subsamples
 from ...engines import Engine, check_engine_name, engine_class
 from ...errors import PyroDistributedError
 from ...local.sparse import check_local_updates
+from ...optim.front_end import FrontEnd
 from ...optim.options import OptimizerOptions, check_optimizer_options
 from ...optim.torch_optimizer import DistributedTorchOptimizer
 from ..scvi import anndata, guides
@@ -232,6 +233,9 @@ class PyroDistributedStrategy(DDPStrategy):
         self._optimizer_options = options
         self._resumption: checkpoints.Resumption | None = None  # the checkpoint being loaded
         self._resumed_rng: Mapping[str, Any] | None = None  # restored at the first batch
+        #: What a checkpoint holds for a Pyro plan's optimizer, handed to it once
+        #: on_train_start has wrapped it; and the file, for messages.
+        self._pyro_resumption: tuple[Mapping[str, Any], str] | None = None
 
     # -- the workers and the engine
 
@@ -330,6 +334,16 @@ class PyroDistributedStrategy(DDPStrategy):
         assert self.lightning_module is not None
         plans.distribute_svi_optimizers(self.lightning_module, self.engine, self._optimizer_options)
         self._steps_checked = 0
+        pending, self._pyro_resumption = self._pyro_resumption, None
+        pyro_optim = pyro_state.pyro_optimizer(self.lightning_module)
+        if pending is not None and isinstance(pyro_optim, FrontEnd):
+            # Wrapped just now: its step count, hook and step policy from the file.
+            entries, shown = pending
+            checkpoints.check_extensions(entries, [], self.engine, shown, pyro_optim)
+            checkpoints.restore_extensions(entries, [], self.engine, shown, pyro_optim)
+            steps = (entries.get(checkpoints.KEY) or {}).get("pyro_optim_steps")
+            if steps is not None:
+                pyro_optim.num_steps = steps
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """After the first step, check that the workers' parameters agree; on the
@@ -346,6 +360,8 @@ class PyroDistributedStrategy(DDPStrategy):
 
     def _check_in_sync(self, when: str) -> None:
         assert self.lightning_module is not None
+        if not plans.at_a_sync_point(self.lightning_module, self.optimizers):
+            return  # a step policy's workers differ between its sync points, by design
         plans.check_in_sync(self.lightning_module, self.engine, when)
 
     def configure_ddp(self) -> None:
@@ -365,6 +381,8 @@ class PyroDistributedStrategy(DDPStrategy):
             options.pop("multi_tensor", None)
             # A hook that keeps state serves one optimizer: each gets a copy.
             options["comm_hook"] = copy.deepcopy(options.get("comm_hook"))
+            # So does a step policy (DiLoCo keeps each optimizer's period start).
+            options["step_policy"] = copy.deepcopy(options.get("step_policy"))
             wrapped = DistributedTorchOptimizer(optimizer, engine=self.engine, **options)
         wrapped.engine  # noqa: B018 (bind now, before Lightning wraps it in a LightningOptimizer)
         return wrapped
@@ -452,7 +470,13 @@ class PyroDistributedStrategy(DDPStrategy):
         assert self.lightning_module is not None and self._resumption is not None
         where = self._resumption.where
         shown = "Lightning's checkpoint" if where is None else repr(str(where))
-        checkpoints.check_extensions(checkpoint, self.optimizers, self.engine, shown)
+        found = pyro_state.pyro_optimizer(self.lightning_module)
+        # A Pyro plan's optimizer is wrapped when training starts (on_train_start,
+        # after this): what the file holds for it is handed over then.
+        pyro_optim = found if isinstance(found, FrontEnd) else None
+        if found is not None and pyro_optim is None:
+            self._pyro_resumption = ({checkpoints.KEY: checkpoint.get(checkpoints.KEY)}, shown)
+        checkpoints.check_extensions(checkpoint, self.optimizers, self.engine, shown, pyro_optim)
         saved = checkpoint.get(checkpoints.KEY) or {}
         pyro_state.restore_pyro_optimizer(  # a Pyro plan's optimizer (scvi-tools')
             self.lightning_module,
@@ -463,7 +487,7 @@ class PyroDistributedStrategy(DDPStrategy):
         states = checkpoints.optimizer_states(checkpoint, self._resumption)
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
         checkpoints.restore_counts(checkpoint, self.optimizers)
-        checkpoints.restore_extensions(checkpoint, self.optimizers, self.engine, shown)
+        checkpoints.restore_extensions(checkpoint, self.optimizers, self.engine, shown, pyro_optim)
 
     def _restore_rng_at_first_batch(self) -> None:
         """On the first training batch after a restore, the checkpoint's RNG states

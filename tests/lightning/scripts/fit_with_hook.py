@@ -5,7 +5,11 @@ default). ``--hook`` trains through
 ``LowRankHook(rank=2, warmup_steps=2)`` (passed in the strategy's
 ``optimizer_options``): AutoNormal's location and scale of the weight are
 20x16 matrices, which it compresses from step 3 on; ``--no-overlap`` passes
-``overlap=False`` too (bitwise from three workers on). ``--save-every 2``
+``overlap=False`` too (bitwise from three workers on). ``--diloco`` trains
+under ``DiLoCo(period=5)`` instead (sync points after steps 1 and 6);
+``--svi`` trains through an ``SVI`` the module holds, with a ``pyro.optim``
+Adam and the param store, as scvi-tools' Pyro plans do (the strategy wraps
+that optimizer). ``--save-every 2``
 writes ``step=<s>.ckpt`` every two steps; ``--resume FILE`` continues from
 one. Each worker saves its parameters after step 8, its losses, its final
 ``global_step`` and its hook's state at the end to ``OUT/rank<r>.pt``.
@@ -24,7 +28,7 @@ import lightning.pytorch as pl
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.infer import Trace_ELBO
+from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule
 from torch.utils.data import DataLoader, TensorDataset
@@ -77,9 +81,39 @@ class Plan(pl.LightningModule):
         return torch.optim.Adam(self.loss_fn.parameters(), lr=0.05)
 
 
+class SVIPlan(Plan):
+    """The same model as scvi-tools' Pyro plans train it: manual optimization,
+    ``SVI.step`` in ``training_step``, the parameters in Pyro's param store."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__(rows)
+        self.automatic_optimization = False
+        self.model = Regression(rows)
+        self.guide = AutoNormal(self.model)
+        self.svi = SVI(self.model, self.guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+        self.shim = torch.nn.Parameter(torch.zeros(1))  # gives Lightning something to wrap
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.svi.step(*batch)
+        self.optimizers().step()  # counts Lightning's steps; the shim has no gradient
+        self.losses.append(loss)
+        return torch.tensor(loss)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == STEPS:
+            self.params_at_last_step = {
+                name: value.detach().clone() for name, value in pyro.get_param_store().items()
+            }
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([self.shim], lr=0.0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hook", action="store_true", help="LowRankHook(rank=2, warmup_steps=2)")
+    parser.add_argument("--diloco", action="store_true", help="step_policy=DiLoCo(period=5)")
+    parser.add_argument("--svi", action="store_true", help="through an SVI the module holds")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--no-overlap", action="store_true", help="overlap=False")
     parser.add_argument("--save-every", type=int, help="ModelCheckpoint(every_n_train_steps=)")
@@ -89,14 +123,19 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     pyro.set_rng_seed(0)
-    pyro.settings.set(module_local_params=True)
+    pyro.settings.set(module_local_params=not args.svi)
     rows = ROWS_PER_WORKER * args.devices
     data = make_data(rows)
-    plan = Plan(rows)
-    plan.loss_fn(*data[:2])  # AutoNormal creates its parameters here
+    plan = SVIPlan(rows) if args.svi else Plan(rows)
+    if args.svi:
+        plan.guide(*data[:2])
+    else:
+        plan.loss_fn(*data[:2])  # AutoNormal creates its parameters here
     options: OptimizerOptions = {}
     if args.hook:
         options["comm_hook"] = pd.LowRankHook(rank=2, warmup_steps=2)
+    if args.diloco:
+        options["step_policy"] = pd.DiLoCo(period=5)
     if args.no_overlap:
         options["overlap"] = False
     callbacks = []
@@ -122,11 +161,13 @@ def main() -> None:
     )
     loader = DataLoader(data, batch_size=BATCH, shuffle=True)
     trainer.fit(plan, loader, ckpt_path=args.resume)
+    distributed = plan.svi.optim if args.svi else trainer.strategy.optimizers[0]
     record = {
         "global_step": trainer.global_step,
         "params": plan.params_at_last_step,
         "losses": plan.losses,
-        "hook_state": trainer.strategy.optimizers[0].extension_state()["comm_hook"],
+        "hook_state": distributed.extension_state()["comm_hook"],
+        "in_sync": distributed.in_sync,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(record, args.out / f"rank{trainer.global_rank}.pt")

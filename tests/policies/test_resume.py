@@ -1,0 +1,110 @@
+"""A run under a step policy, saved at a sync point or between two, continues
+bitwise after a rollback in the same process and after a resume with a new
+optimizer and policy, on the Pyro path and torch-native, at W=2 and W=3.
+
+The checkpoint holds, for every worker, the policy's state (its step within
+the period; DiLoCo's period start and outer momentum), the worker's own
+optimizer state, and between sync points its own parameters. A control
+resumed with those thrown away must differ.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+
+import pyro_distributed as pd
+
+from ..checkpoint import test_extensions as checkpointed
+from ..support.harness import run_workers
+from .test_sync_points import data, guide, make_policy, model
+
+STEPS, ROLLED_TO = 14, 11
+
+
+class Run(checkpointed.Run):
+    """One training run of a front end, with a new optimizer and policy (the
+    steps, saves and loads of the hooks' checkpoint tests)."""
+
+    def __init__(self, front_end: str, policy: str, overlap: bool) -> None:
+        self.front_end = front_end
+        self.x, self.y = data()
+        pyro.clear_param_store()
+        options: dict[str, Any] = {"step_policy": make_policy(policy), "overlap": overlap}
+        if front_end == "pyro":
+            self.optim: Any = pd.DistributedOptimizer(pyro.optim.Adam({"lr": 0.05}), **options)
+            self.svi = SVI(model, guide, self.optim, Trace_ELBO())
+        else:
+            torch.manual_seed(0)
+            self.module = torch.nn.Linear(6, 3)
+            self.optim = pd.DistributedTorchOptimizer(
+                torch.optim.Adam(self.module.parameters(), lr=0.05), **options
+            )
+
+
+def resumes(
+    front_end: str, policy: str, save_at: int, overlap: bool, folder: str
+) -> dict[str, Any]:
+    path = f"{folder}/{front_end}-{policy}-{save_at}.pt"
+    straight = Run(front_end, policy, overlap)
+    for _ in range(STEPS):
+        straight.step()
+    expected = straight.values()
+
+    rolled = Run(front_end, policy, overlap)
+    saved_in_sync = None
+    for step in range(ROLLED_TO):
+        rolled.step()
+        if step + 1 == save_at:
+            saved_in_sync = rolled.optim.in_sync
+            rolled.save(path)
+    start = rolled.load(path)
+    for _ in range(start, STEPS):
+        rolled.step()
+    found = {"rolled back": rolled.values()}
+
+    resumed = Run(front_end, policy, overlap)
+    for _ in range(resumed.load(path), STEPS):
+        resumed.step()
+    found["resumed"] = resumed.values()
+
+    control = Run(front_end, policy, overlap)
+    control.load(path)
+    control.optim.forget()  # the policy, and this worker's own state, afresh
+    for _ in range(save_at, STEPS):
+        control.step()
+    found["control"] = control.values()
+
+    outcome = {name: all(map(torch.equal, values, expected)) for name, values in found.items()}
+    return {**outcome, "start": start == save_at, "saved in sync": saved_in_sync}
+
+
+def every_case(overlap: bool, folder: str) -> dict[str, dict[str, Any]]:
+    return {
+        f"{front_end}/{policy}/{save_at}": resumes(front_end, policy, save_at, overlap, folder)
+        for front_end in ("pyro", "torch")
+        for policy in ("local_sgd_warmup", "diloco")
+        for save_at in (5, 7)
+    }
+
+
+@pytest.mark.parametrize(("world_size", "overlap"), [(2, True), (3, False)])
+def test_a_resumed_or_rolled_back_run_under_a_policy_continues_bitwise(
+    world_size: int, overlap: bool, tmp_path: Path
+) -> None:
+    outcomes = run_workers(every_case, overlap, str(tmp_path), world_size=world_size, timeout=300)
+    for rank, outcome in enumerate(outcomes):
+        for case, found in outcome.items():
+            save_at = int(case.split("/")[2])
+            # Sync points: after steps 1, 2, 5, 8 (local SGD, warm-up 2, period 3)
+            # or 1, 5, 9 (DiLoCo, period 4); step 7 is between two.
+            assert found["saved in sync"] == (save_at == 5), (rank, case)
+            assert found["start"], (rank, case)
+            assert found["rolled back"], f"worker {rank}, {case}: the rollback differs"
+            assert found["resumed"], f"worker {rank}, {case}: the resumed run differs"
+            assert not found["control"], f"{case}: the saved state made no difference"
