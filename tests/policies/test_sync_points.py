@@ -21,7 +21,7 @@ from pyro.infer import SVI, Trace_ELBO
 import pyro_distributed as pd
 from pyro_distributed.policies import StepContext
 
-from ..support.harness import run_workers
+from ..support.harness import HorovodSuites, one_pytest_worker, run_workers
 
 STEPS = 12
 
@@ -135,7 +135,32 @@ def test_workers_are_bitwise_identical_at_sync_points_and_differ_between(
     policy_name: str, front_end: str, world_size: int
 ) -> None:
     train = train_pyro if front_end == "pyro" else train_torch
-    workers = run_workers(train, policy_name, world_size=world_size)
+    check_sync_points(run_workers(train, policy_name, world_size=world_size), policy_name)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sync_points_on_mpi(world_size: int) -> None:
+    for policy_name in ("local_sgd_warmup", "diloco"):
+        workers = run_workers(train_pyro, policy_name, world_size=world_size, engine="mpi")
+        check_sync_points(workers, policy_name)
+
+
+HOROVOD = HorovodSuites(
+    {"main": [(name, train_pyro, (name,)) for name in ("local_sgd_warmup", "diloco")]}
+)
+
+
+@pytest.mark.horovod
+@one_pytest_worker(__name__)
+@pytest.mark.parametrize("policy_name", ["local_sgd_warmup", "diloco"])
+def test_sync_points_on_horovod(policy_name: str) -> None:
+    check_sync_points(HOROVOD.outcome(policy_name), policy_name)
+
+
+def check_sync_points(workers: list[dict[str, Any]], policy_name: str) -> None:
+    """Identical exactly at the policy's sync points, and what the averages
+    (and DiLoCo's outer steps) should have made of each worker's parameters."""
     synced = expected_sync_steps(policy_name)
     for worker in workers:
         assert [i for i, flag in enumerate(worker["in_sync"]) if flag] == synced
