@@ -26,6 +26,25 @@ the module's loop; all compress from the first timed step).
 See :func:`module_training` for what differs from SVI. With ``--heldout`` the
 line also holds ``heldout_loss``, the ELBO loss of the trained model on data
 no worker trained on.
+
+Step policies, at ``--period H`` (``bench_policies.py``): ``ours-localsgd``
+(``step_policy=LocalSGD(H)``) and ``ours-diloco`` (``DiLoCo(H)`` with its
+defaults) in SVI, against ``ddp-postlocal``: torch's post-local SGD (DDP's
+``post_localSGD_hook`` and ``PostLocalSGDOptimizer`` with a
+``PeriodicModelAverager``). In all three the ``--warmup`` untimed steps
+average gradients and the parameters are averaged after every H-th timed
+step, so each timed step a multiple of H is a sync point.
+
+``--curve E`` measures time to a loss rather than time per step: every E
+timed steps the clock stops, worker 0's held-out loss is computed (as with
+``--heldout``), and the clock starts again. The line then also holds
+``curve``, ``[seconds of training so far, held-out loss]`` from before the
+first timed step to after the last, ``curve_every``, ``curve_in_sync``
+(whether every worker held the same parameters at every point) and
+``bytes_per_step``, what worker 0's host sent per timed step by the
+counters of its network interfaces (``/proc/net/dev``, loopback aside:
+meaningful only where the workers have a host each, as in
+``bench_policies.py``).
 """
 
 from __future__ import annotations
@@ -115,18 +134,26 @@ OPTIMS = (
     "torch-ours-owned",
     "torch-ours-sparse",
     "torch-ours-lowrank",
+    # Step policies at --period: LocalSGD and DiLoCo in SVI, and torch's
+    # post-local SGD (DDP's post_localSGD_hook and PostLocalSGDOptimizer).
+    "ours-localsgd",
+    "ours-diloco",
+    "ddp-postlocal",
 )
 #: The configurations that train the ELBO module with a torch optimizer.
 MODULE_OPTIMS = (
     "ddp",
     "ddp-fp16",
     "ddp-powersgd",
+    "ddp-postlocal",
     "torch-ours-lowrank",
     "torch",
     "torch-ours",
     "torch-ours-owned",
     "torch-ours-sparse",
 )
+#: The configurations whose workers step alone between averages every --period steps.
+PERIOD_OPTIMS = ("ours-localsgd", "ours-diloco", "ddp-postlocal")
 
 Model = Callable[..., object]
 
@@ -378,6 +405,11 @@ def workload_name(name: str) -> str:
 # Training: one step function and the parameters it trains, for SVI or DDP.
 
 
+def always_in_sync() -> bool:
+    """A sync point after every step: where every step averages."""
+    return True
+
+
 @dataclass(frozen=True)
 class Training:
     """One training step (returns the loss) and the parameters it updates, by name."""
@@ -388,6 +420,9 @@ class Training:
     state_bytes: Callable[[], int]
     #: The loss on other data (``heldout_args``), without a step.
     heldout: Callable[[tuple[Any, ...]], float]
+    #: Whether the last step ended at a sync point by the optimizer's own
+    #: account (always, where every step averages).
+    at_sync: Callable[[], bool] = always_in_sync
 
 
 def start_engine(optim: str) -> None:
@@ -426,6 +461,17 @@ def make_optimizer(name: str, options: dict[str, Any]) -> PyroOptim:
         return pyro_distributed.DistributedOptimizer(adam, noise_scale=True, **options)
     if name in ("ours-owned", "ours-sparse"):
         return pyro_distributed.DistributedOptimizer(adam, **options)
+    if name in ("ours-localsgd", "ours-diloco"):
+        period, warmup = options.pop("period"), options.pop("start")
+        policy: pyro_distributed.StepPolicy = (
+            pyro_distributed.LocalSGD(period, warmup_steps=warmup)
+            if name == "ours-localsgd"
+            # DiLoCo's defaults, spelled out: the paper's outer SGD.
+            else pyro_distributed.DiLoCo(
+                period, outer_lr=0.7, momentum=0.9, nesterov=True, warmup_steps=warmup
+            )
+        )
+        return pyro_distributed.DistributedOptimizer(adam, step_policy=policy, **options)
     if name == "pyro-horovod":
         return pyro.optim.HorovodOptimizer(adam)
     raise ValueError(f"no Pyro optimizer for --optim {name!r}")
@@ -458,9 +504,11 @@ def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -
     if optim_name == "pyro-horovod" and pyro_distributed.world_size() > 1:
         broadcast_store_from_worker_0(workload)
     hook_options = {"rank": options.pop("rank", 4), "start": options.pop("start", 10)}
-    optim = make_optimizer(
-        optim_name, {**options, **hook_options} if optim_name == "ours-lowrank" else options
-    )
+    if optim_name == "ours-lowrank":
+        options = {**options, **hook_options}
+    elif optim_name in PERIOD_OPTIMS:
+        options = {**options, "start": hook_options["start"]}
+    optim = make_optimizer(optim_name, options)
     svi = SVI(workload.model, workload.guide, optim, Trace_ELBO())
 
     def step() -> float:
@@ -486,7 +534,9 @@ def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -
                 workload.model, workload.guide, *args
             ))  # fmt: skip
 
-    return Training(step, store_parameters, held_bytes, heldout)
+    return Training(
+        step, store_parameters, held_bytes, heldout, lambda: getattr(optim, "in_sync", True)
+    )
 
 
 def module_training(workload: Workload, optim_name: str, options: dict[str, Any]) -> Training:
@@ -523,6 +573,7 @@ def module_training(workload: Workload, optim_name: str, options: dict[str, Any]
         elbo(*workload.args)
     module: nn.Module = elbo
     optimizer: torch.optim.Optimizer = torch.optim.Adam(elbo.parameters(), lr=LEARNING_RATE)
+    at_sync: Callable[[], bool] = always_in_sync
     if optim_name.startswith("ddp") and pyro_distributed.world_size() > 1:
         if pyro_distributed.current_engine().name != "torch":
             raise SystemExit("--optim ddp with several workers needs torchrun")
@@ -536,6 +587,8 @@ def module_training(workload: Workload, optim_name: str, options: dict[str, Any]
                 start_powerSGD_iter=max(2, options.get("start", 10)),
             )
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        if optim_name == "ddp-postlocal":
+            optimizer, at_sync = post_local_sgd(ddp, optimizer, options["period"], options["start"])
         module = ddp
     elif ours:
         hook = {}
@@ -563,7 +616,48 @@ def module_training(workload: Workload, optim_name: str, options: dict[str, Any]
         lambda: sorted(elbo.named_parameters()),
         lambda: state_bytes(elbo.parameters(), [optimizer]),
         heldout,
+        at_sync,
     )
+
+
+def post_local_sgd(
+    ddp: nn.parallel.DistributedDataParallel, adam: torch.optim.Optimizer, period: int, warmup: int
+) -> tuple[torch.optim.Optimizer, Callable[[], bool]]:
+    """Torch's post-local SGD on ``ddp``, on the schedule of our ``LocalSGD(period,
+    warmup_steps=warmup)``; the optimizer, and whether its last step was a sync point.
+
+    DDP's ``post_localSGD_hook`` all-reduces the gradients of the first
+    ``warmup`` steps over every worker, and after them over its ``subgroup``:
+    here each worker's own group of one, since with ``subgroup=None`` it
+    makes one per machine from the CUDA devices, and there are none. Its
+    ``PostLocalSGDOptimizer`` steps Adam, then lets a ``PeriodicModelAverager``
+    average the parameters after step ``s`` (counted from 0) whenever ``s >=
+    warmup_steps`` and ``(s - warmup_steps) % period == 0``: its first average
+    comes right after its first step alone. Torch's examples give both the
+    same warm-up; the averager's is one less here (so ``warmup`` must be at
+    least 1), which puts its averages after the same steps as ours: ``warmup
+    + period``, ``warmup + 2 * period``, ... Its one extra average, after the
+    last warm-up step, is of parameters the warm-up kept identical.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    if warmup < 1:
+        raise ValueError("ddp-postlocal needs at least one warm-up step")
+    alone, _ = torch.distributed.new_subgroups(group_size=1)  # a collective: every worker
+    state = post_localSGD_hook.PostLocalSGDState(
+        process_group=None, subgroup=alone, start_localSGD_iter=warmup
+    )
+    ddp.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+    averager = PeriodicModelAverager(period=period, warmup_steps=warmup - 1)
+    optimizer = PostLocalSGDOptimizer(optim=adam, averager=averager)
+
+    def at_sync() -> bool:
+        taken = averager.step  # one per optimizer step
+        return taken < warmup or (taken - warmup) % period == 0
+
+    return optimizer, at_sync
 
 
 def time_steps(training: Training, steps: int, warmup: int) -> float:
@@ -578,6 +672,92 @@ def time_steps(training: Training, steps: int, warmup: int) -> float:
         training.step()
     synchronize()
     return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class Curve:
+    """What :func:`time_curve` measured."""
+
+    seconds: float  #: of the timed steps, without the evaluations between them
+    #: ``[seconds so far, held-out loss]``, before the first timed step and after every ``every``.
+    points: list[list[float]]
+    #: Whether every worker held the same shared parameters at every point.
+    in_sync: bool
+    #: What this host sent during the timed steps (``None``: no counters).
+    sent_bytes: int | None
+
+
+def time_curve(
+    training: Training, steps: int, warmup: int, every: int, data: tuple[Any, ...]
+) -> Curve:
+    """:func:`time_steps` that stops the clock every ``every`` steps (and after
+    the last) to take the held-out loss on ``data``.
+
+    Every worker evaluates its own parameters, identical at a sync point, and
+    waits for the others before the clock starts again: a worker that went
+    on alone would train while the other's clock is stopped.
+    """
+    for _ in range(warmup):
+        training.step()
+    if pyro_distributed.world_size() > 1:
+        pyro_distributed.barrier()
+    loss, synced = curve_point(training, data)
+    points, seconds, sent, done = [[0.0, loss]], 0.0, 0, 0
+    while done < steps:
+        chunk = min(every, steps - done)
+        synchronize()
+        before = sent_bytes()
+        start = time.perf_counter()
+        for _ in range(chunk):
+            training.step()
+        synchronize()
+        seconds += time.perf_counter() - start
+        after = sent_bytes()
+        sent += 0 if before is None or after is None else after - before
+        done += chunk
+        loss, point_synced = curve_point(training, data)
+        points.append([seconds, loss])
+        synced = synced and point_synced
+    return Curve(seconds, points, synced, None if sent_bytes() is None else sent)
+
+
+def curve_point(training: Training, data: tuple[Any, ...]) -> tuple[float, bool]:
+    """The held-out loss of this worker's parameters, and whether every worker
+    holds the same shared ones at a sync point (a collective, so also a barrier).
+
+    The held-out loss seeds Pyro's generators; their state is put back after
+    it, so that the workers' training draws stay their own.
+    """
+    state = pyro.util.get_rng_state()
+    try:
+        loss = training.heldout(data)
+    finally:
+        pyro.util.set_rng_state(state)
+    at_sync = training.at_sync()
+    identical = in_sync(shared_parameters(training))  # every worker, whatever at_sync says
+    return loss, at_sync and identical
+
+
+def shared_parameters(training: Training) -> list[tuple[str, Tensor]]:
+    """The trained parameters every worker holds a copy of (owned local ones
+    differ across workers by design)."""
+    local_of = pyro_distributed.local.registry.local_of
+    return [(name, value) for name, value in training.parameters() if local_of(value) is None]
+
+
+def sent_bytes() -> int | None:
+    """Bytes this host's network interfaces, loopback aside, have sent
+    (``/proc/net/dev`` of this process's network namespace); ``None`` if unreadable."""
+    try:
+        rows = Path("/proc/net/dev").read_text().splitlines()[2:]
+    except OSError:
+        return None
+    total = 0
+    for row in rows:
+        interface, _, counters = row.partition(":")
+        if interface.strip() != "lo":
+            total += int(counters.split()[8])  # 8 receive columns, then bytes sent
+    return total
 
 
 def synchronize() -> None:
@@ -652,6 +832,18 @@ def parse_args() -> argparse.Namespace:
         help="after timing, the loss on data no worker trained on (large1m, vae)",
     )
     parser.add_argument(
+        "--period",
+        type=int,
+        help="steps between two averages of ours-localsgd, ours-diloco and ddp-postlocal",
+    )
+    parser.add_argument(
+        "--curve",
+        type=int,
+        metavar="E",
+        help="stop the clock every E timed steps for the held-out loss (large1m, vae); "
+        "a multiple of --period",
+    )
+    parser.add_argument(
         "--fit-cost",
         action="store_true",
         help="after timing, fit the all-reduce cost here (validate_cost_model.py)",
@@ -659,6 +851,13 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
+    if (args.optim in PERIOD_OPTIMS) != (args.period is not None):
+        parser.error(f"--period goes with --optim {', '.join(PERIOD_OPTIMS)}, and only with them")
+    if args.period is not None and (args.period < 1 or args.warmup < 1):
+        # One averaged step at least: torch's averager counts its warm-up from one less.
+        parser.error("--period and --warmup must be at least 1 with a step policy")
+    if args.curve is not None and (args.curve < 1 or args.curve % (args.period or 1)):
+        parser.error("--curve must be a positive multiple of --period: a sync point")
     return args
 
 
@@ -721,17 +920,33 @@ def main() -> None:
     if args.optim in ("ours-lowrank", "torch-ours-lowrank", "ddp-powersgd"):
         # Compression starts after the untimed steps, in both.
         options.update(rank=args.rank, start=args.warmup)
+    if args.optim in PERIOD_OPTIMS:
+        # The untimed steps average gradients; the workers step alone after them.
+        options.update(period=args.period, start=args.warmup)
     training = prepare(args.workload, args.optim, options, args.device)
-    seconds = time_steps(training, args.steps, args.warmup)
-    heldout = (
-        {"heldout_loss": training.heldout(heldout_args(args.workload, args.device))}
-        if args.heldout
-        else {}
-    )
+    curve: dict[str, Any] = {}
+    if args.curve is None:
+        seconds = time_steps(training, args.steps, args.warmup)
+        heldout = (
+            {"heldout_loss": training.heldout(heldout_args(args.workload, args.device))}
+            if args.heldout
+            else {}
+        )
+    else:
+        data = heldout_args(args.workload, args.device)
+        measured = time_curve(training, args.steps, args.warmup, args.curve, data)
+        seconds = measured.seconds
+        heldout = {"heldout_loss": measured.points[-1][1]}
+        sent = measured.sent_bytes
+        curve = {
+            "curve": measured.points,
+            "curve_every": args.curve,
+            "curve_in_sync": measured.in_sync,
+            "bytes_per_step": None if sent is None else sent / args.steps,
+        }
     parameters = training.parameters()
     # Local parameters differ across workers by design: compare the rest.
-    registry = pyro_distributed.local.registry
-    shared = [(name, value) for name, value in parameters if registry.local_of(value) is None]
+    shared = shared_parameters(training)
     synced = in_sync(shared)
     cost = fitted_cost(shared) if args.fit_cost else {}
     if pyro_distributed.is_main():
@@ -739,8 +954,10 @@ def main() -> None:
             {
                 **cost,
                 **heldout,
+                **curve,
                 "workload": args.workload,
                 "optim": args.optim,
+                **({} if args.period is None else {"period": args.period}),
                 "world_size": pyro_distributed.world_size(),
                 "ms_per_step": 1000.0 * seconds / args.steps,
                 "steps": args.steps,
