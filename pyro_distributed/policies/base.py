@@ -129,7 +129,9 @@ def average_parameters(engine: Engine, shared: Mapping[str, Tensor], step: int) 
     world_size = engine.world_size
     if world_size == 1:
         return
-    layout = [(name, tuple(tensor.shape), str(tensor.dtype)) for name, tensor in shared.items()]
+    # By name: the order in which a front end lists its tensors is its own
+    # (SVI hands over a set, whose order differs from process to process).
+    layout = [(name, tuple(shared[name].shape), str(shared[name].dtype)) for name in sorted(shared)]
     mine = digest_int((step, layout)) % 2**62
     header = torch.tensor([mine, -mine], dtype=torch.int64)
     engine.allreduce_([header], "max", ["pyro_distributed.policy.header"])
