@@ -114,6 +114,18 @@ def run_once(cluster: NamespaceCluster, optim: str, together: bool, plan: Any) -
         *(["--fit-cost"] if optim == "ours" else []),
         *(["--heldout", "--rank", str(RANK)] if together and plan.workload in HELDOUT else []),
     ]
+    outputs = run_on_hosts(cluster, worker, together)
+    records = [parse_result(output) for output in (outputs if not together else outputs[:1])]
+    slowest = max(records, key=lambda record: float(record["ms_per_step"]))
+    return {**slowest, "params_in_sync": all(bool(r["params_in_sync"]) for r in records)}
+
+
+def run_on_hosts(cluster: NamespaceCluster, worker: list[str], together: bool) -> list[str]:
+    """``worker`` (a script and its arguments) on every host, under torchrun
+    across the hosts (``together``) or alone on each; every host's output.
+
+    :raises RunFailed: for a run that failed or outlasted ``RUN_TIMEOUT_S``.
+    """
     master, port = cluster.hosts[0].address, free_port()
     processes = []
     for rank, host in enumerate(cluster.hosts):
@@ -141,9 +153,7 @@ def run_once(cluster: NamespaceCluster, optim: str, together: bool, plan: Any) -
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
         raise RunFailed(f"timed out after {RUN_TIMEOUT_S:g} s") from exc
-    records = [parse_result(output) for output in (outputs if not together else outputs[:1])]
-    slowest = max(records, key=lambda record: float(record["ms_per_step"]))
-    return {**slowest, "params_in_sync": all(bool(r["params_in_sync"]) for r in records)}
+    return outputs
 
 
 def median_of(runs: list[dict[str, Any]], key: str) -> float | None:

@@ -61,11 +61,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -73,8 +70,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench_link import RANK, RATE_BYTES, worker_environment
-from bench_svi import RUN_TIMEOUT_S, WORKER, RunFailed, environment, free_port, git, parse_result
+from bench_link import RANK, RATE_BYTES, run_on_hosts
+from bench_svi import WORKER, RunFailed, environment, git, parse_result
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -130,31 +127,7 @@ def run_once(
         *("--curve", str(curve_every(config, args.curve)), "--rank", str(RANK)),
         *([] if config.period is None else ["--period", str(config.period)]),
     ]
-    master, port = cluster.hosts[0].address, free_port()
-    processes = []
-    for rank, host in enumerate(cluster.hosts):
-        launcher = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(len(cluster.hosts)), "--node-rank", str(rank),
-            "--nproc-per-node", "1", "--master-addr", master, "--master-port", str(port),
-        ]  # fmt: skip
-        processes.append(
-            cluster.start(host, [*launcher, *worker], env=worker_environment(), cwd=ROOT)
-        )
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    outputs = []
-    try:
-        for process in processes:
-            output, _ = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if process.returncode != 0:
-                raise RunFailed(f"exit status {process.returncode}:\n{output[-2000:]}")
-            outputs.append(output)
-    except subprocess.TimeoutExpired as exc:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-        raise RunFailed(f"timed out after {RUN_TIMEOUT_S:g} s") from exc
-    return parse_result(outputs[0])
+    return parse_result(run_on_hosts(cluster, worker, together=True)[0])
 
 
 def reached(record: dict[str, Any], threshold: float) -> tuple[float, int] | None:
