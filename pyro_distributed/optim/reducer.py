@@ -266,7 +266,9 @@ class Reducer:
                     engine,
                     max(1, int(options.bucket_cap_mb * 2**20)),
                     options.reduction,
-                    overlap=options.overlap,
+                    # Under a policy that lets workers step alone, no bucket
+                    # may leave during a backward whose step is alone.
+                    overlap=options.overlap and not self.steps_alone,
                     measure_norms=self._noise is not None,
                     catalog_name=self._catalog_name,
                     channel=self._channel,
@@ -362,8 +364,10 @@ class Reducer:
             finite = local_gradients.prepare(plan.local, scale, scale_row_grads(sparse, scale))
         grads = [t.grad for t in plan.alone if t.grad is not None]
         if grads:
-            norms = torch._foreach_norm(grads)
-            finite = finite and bool(torch.isfinite(torch.stack(norms)).all())
+            # The largest magnitude: finite for any finite gradient (a 2-norm
+            # can overflow), NaN or Inf for any other.
+            largest = torch._foreach_norm(grads, float("inf"))
+            finite = finite and bool(torch.isfinite(torch.stack(largest)).all())
         return Reduced(plan, sparse, step, False, finite_here=finite)
 
     def _catalog_now(self) -> Mapping[str, Tensor]:
