@@ -46,7 +46,7 @@ def check(saved: Mapping[str, Any], optim: FrontEnd, engine: Engine, shown: str)
     if not states or saved.get("world_size") != engine.world_size:
         return
     mine = states[engine.rank]
-    if not mine.get("comm_hook") and not mine.get("step_policy"):
+    if not any(mine.get(key) for key in ("comm_hook", "step_policy", "parameters", "optimizer")):
         return
     if not optim.keeps_extension_state():
         if not mine.get("comm_hook"):
@@ -82,11 +82,12 @@ def restore(saved: Mapping[str, Any], optim: FrontEnd, engine: Engine, shown: st
     keeps_state = optim.keeps_extension_state()
     if states is None:
         if keeps_state:
-            _warn(f"the checkpoint {shown} holds no state of the communication hook")
+            _warn(f"the checkpoint {shown} holds no state of the communication hook or step policy")
         optim.load_extension_state({})
         return
     if world_size != engine.world_size:
-        if keeps_state or any(any(state.values()) for state in states):
+        kept = ("comm_hook", "step_policy", "parameters", "optimizer")
+        if keeps_state or any(state.get(key) for state in states for key in kept):
             policy = any(state.get("step_policy") for state in states)
             what = "the communication hook's"
             if policy:

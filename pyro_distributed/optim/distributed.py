@@ -27,6 +27,7 @@ from torch import Tensor
 from ..checks import check_bool
 from ..engines import Engine
 from ..exchange import CommHook, Compression, GradBucket, Reducing
+from ..local.registry import local_params
 from ..policies import StepPolicy
 from ..pyro_internals import stored_unconstrained
 from .front_end import FrontEnd
@@ -345,7 +346,10 @@ class DistributedOptimizer(FrontEnd, PyroOptim):
         self.wrapped.set_state(state_dict)
 
     def _own_optimizer_state(self) -> Any:
-        return self.wrapped.get_state()
+        # Owned local rows' state travels in their blocks, not here.
+        local = local_params()
+        saved = self.wrapped.get_state()
+        return {name: state for name, state in saved.items() if name not in local}
 
     def _load_own_optimizer_state(self, state: Any) -> None:
         self.wrapped.set_state(state)  # applied as each parameter's optimizer is made

@@ -122,13 +122,16 @@ class ModuleBuffers:
     :param engine: the engine to average over (more than one worker).
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, agreed: Mapping[torch.dtype, Tensor] | None = None) -> None:
         self._engine = engine
         self._seen: dict[str, Tensor] = {}
         self._roots: list[torch.nn.Module] = []
         self._checked = False
-        # The values every worker agreed on at the end of the last step, per dtype.
-        self._agreed: dict[torch.dtype, Tensor] = {}
+        # The values every worker agreed on at the end of the last step, per
+        # dtype (``agreed``: a checkpoint's, so that a resumed run averages
+        # from where the saved one would have, to the bit).
+        self._agreed: dict[torch.dtype, Tensor] = dict(agreed or {})
+        self._keep_agreed = bool(agreed)
 
     def found(self, named: Mapping[str, Tensor]) -> list[torch.nn.Module]:
         """The modules being trained, found again when a name in ``named`` is new.
@@ -139,9 +142,16 @@ class ModuleBuffers:
         if any(name not in self._seen for name in named):
             self._seen.update(named)
             self._roots = trained_modules(list(self._seen.values()))
-            self._agreed = {}
+            if not self._keep_agreed:  # (the first modules found after a load: the file's)
+                self._agreed = {}
+            self._keep_agreed = False
             self._checked = False
         return self._roots
+
+    @property
+    def agreed(self) -> dict[torch.dtype, Tensor]:
+        """The buffers' values every worker agreed on at the last average, per dtype."""
+        return dict(self._agreed)
 
     @property
     def roots(self) -> list[torch.nn.Module]:

@@ -41,8 +41,6 @@ derive from a plan (multi-tensor groups) they recognise by its stepped tuple.
 
 from __future__ import annotations
 
-import copy
-import weakref
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,16 +51,15 @@ from torch import Tensor
 from ..engines import Engine
 from ..exchange import (
     Channel,
-    CommHook,
     Exchanged,
     ExchangePlan,
     GradientSync,
-    NarrowedHook,
 )
 from ..local.gradients import LocalGradients, nonfinite_rows, scale_row_grads, split_local
 from ..local.registry import generation
 from ..local.sparse import RowGradients
-from ..policies import StepContext, StepPolicy
+from ..policies import StepContext
+from .extension_state import ExtensionState
 from .module_buffers import BufferGroups, ModuleBuffers, named_buffers
 from .noise_scale import NoiseScale, NoiseScaleEstimator
 from .options import EngineBinding, ReducerOptions
@@ -207,10 +204,9 @@ class Reducer:
         #: This worker's own shared parameters a load handed over, until the
         #: next step (a save before it holds them again).
         self._own_loaded: dict[str, Tensor] = {}
-        _claim(self._stateful_hook(), self, "comm_hook")
-        policy = options.step_policy
-        if policy is not None and (policy.steps_alone or _keeps_state(policy, StepPolicy)):
-            _claim(policy, self, "step_policy")
+        #: The buffers' agreed values a load handed over, for the next epoch.
+        self._agreed_loaded: dict[torch.dtype, Tensor] = {}
+        self._extensions = ExtensionState(options, catalog, catalog_name, self)
         self._binding = EngineBinding(engine)
         if self._binding.bound:
             self._bind()
@@ -273,7 +269,8 @@ class Reducer:
                     catalog_name=self._catalog_name,
                     channel=self._channel,
                 )
-                epoch = Epoch(sync, ModuleBuffers(engine))
+                agreed, self._agreed_loaded = self._agreed_loaded, {}
+                epoch = Epoch(sync, ModuleBuffers(engine, agreed))
             self._epoch = epoch
         return epoch
 
@@ -399,12 +396,26 @@ class Reducer:
         policy = self.options.step_policy
         if policy is None:
             return
-        context = StepContext(self.engine, reduced.step, reduced.averaged, reduced.plan.replicated)
+        # Averaged gradients make identical parameters only from identical ones:
+        # the first step with new parameters averages even between two sync
+        # points, and there it counts as a step alone (the new parameters took
+        # worker 0's values; the others still differ).
+        identical = reduced.averaged and self._in_sync
+        context = StepContext(self.engine, reduced.step, identical, reduced.plan.replicated)
         self._in_sync = policy.after_step(context)
         epoch = self._epoch
         buffers = None if epoch is None else epoch.buffers
-        if self._in_sync and not reduced.averaged and buffers is not None:
+        if self._in_sync and not identical and buffers is not None:
             buffers.start(buffers.groups(reduced.named()))()
+
+    def averages_next_step(self) -> bool:
+        """Whether the next step will average gradients, as far as the step
+        policy says (a step with new tensors averages whatever it says)."""
+        policy = self.options.step_policy
+        if policy is None or policy.averages_gradients(self._num_steps):
+            return True
+        plan = None if self._epoch is None else self._epoch.plan
+        return plan is None or not (plan.stepped_once or self._continuing)
 
     @property
     def in_sync(self) -> bool:
@@ -447,85 +458,37 @@ class Reducer:
 
     def extension_state(self) -> dict[str, Any]:
         """What this worker's extensions of the step keep across steps, as plain
-        data: ``{"comm_hook": ..., "step_policy": ...}``, the communication
-        hook's and the step policy's ``state_dict()`` (``{}`` for the defaults);
-        between two sync points of a policy that lets workers step alone, also
-        this worker's own shared parameters (``"parameters"``, by shared name).
-        Checkpoints save it for every worker."""
-        hook, policy = self.options.reduction.hook, self.options.step_policy
-        state: dict[str, Any] = {
-            "comm_hook": {} if hook is None else hook.state_dict(),
-            "step_policy": {} if policy is None else policy.state_dict(),
-        }
+        data (:meth:`.extension_state.ExtensionState.saved`); between two sync
+        points, also its own shared parameters and buffers. Checkpoints save it
+        for every worker."""
         plan = None if self._epoch is None else self._epoch.plan
-        if not self._in_sync:
-            own = self._own_loaded if plan is None else plan.replicated
-            state["parameters"] = {name: tensor.detach().clone() for name, tensor in own.items()}
+        own = None if self._in_sync else self._own_loaded if plan is None else plan.replicated
+        state = self._extensions.saved(own)
+        # What the buffers' average starts from (the same on every worker).
+        buffers = None if self._epoch is None else self._epoch.buffers
+        agreed = self._agreed_loaded if buffers is None else buffers.agreed
+        state["agreed_buffers"] = {str(dtype): value.clone() for dtype, value in agreed.items()}
         return state
 
     def load_extension_state(self, state: Mapping[str, Any]) -> None:
         """Continue the extensions from ``state`` (an :meth:`extension_state`;
         ``{}``: afresh). ``ValueError`` for state they do not keep."""
-        self._load_extensions(state, self.options.reduction.hook, self.options.step_policy)
-        own = state.get("parameters") or {}
-        with torch.no_grad():
-            for name, value in own.items():
-                held = self._catalog.get(name)
-                if held is None or held.shape != value.shape:
-                    raise ValueError(
-                        f"step policy: this worker's saved parameter {name!r} is not in the "
-                        f"{self._catalog_name}, or not in that shape"
-                    )
-                held.copy_(value)
-        self._in_sync, self._own_loaded = not own, dict(own)
-        self._continuing = bool(state.get("step_policy"))
+        own = self._extensions.load(state)
+        self._in_sync, self._own_loaded = not own, own
+        self._agreed_loaded = {
+            _dtype(name): value for name, value in (state.get("agreed_buffers") or {}).items()
+        }
+        # A checkpoint's state (not a fresh start): the next plan's first step
+        # is the policy's to decide, as in the saved run.
+        self._continuing = bool(state)
 
     def try_extension_state(self, state: Mapping[str, Any]) -> None:
         """:meth:`load_extension_state` on copies of the extensions (changing nothing)."""
-        hook, policy = self.options.reduction.hook, self.options.step_policy
-        self._load_extensions(state, copy.deepcopy(hook), copy.deepcopy(policy))
-        # The parameters are checked against the file's own (which the load
-        # restores first): here, that they are tensors by name.
-        own = state.get("parameters") or {}
-        if not isinstance(own, Mapping) or not all(isinstance(t, Tensor) for t in own.values()):
-            raise ValueError("step policy: this worker's parameters are not tensors by name")
-
-    def _load_extensions(
-        self, state: Mapping[str, Any], hook: CommHook | None, policy: StepPolicy | None
-    ) -> None:
-        if hook is not None:
-            hook.load_state_dict(state.get("comm_hook") or {})
-        elif state.get("comm_hook"):
-            raise ValueError(
-                "the checkpoint holds a communication hook's state, and this optimizer "
-                "has none: pass the comm_hook it was saved with"
-            )
-        if policy is not None:
-            try:
-                policy.load_state_dict(state.get("step_policy") or {})
-            except (ValueError, TypeError, KeyError) as exc:
-                raise ValueError(f"step policy: {exc}") from exc
-        elif state.get("step_policy") or state.get("parameters"):
-            raise ValueError(
-                "the checkpoint holds a step policy's state, and this optimizer has none: "
-                "pass the step_policy it was saved with"
-            )
+        self._extensions.try_load(state)
 
     def keeps_extension_state(self) -> bool:
-        """Whether an extension may keep state across steps (its class says so)."""
-        policy = self.options.step_policy
-        return self._stateful_hook() is not None or (
-            policy is not None and _keeps_state(policy, StepPolicy)
-        )
-
-    def _stateful_hook(self) -> CommHook | None:
-        """The user's hook (under a narrowing), if its class keeps state."""
-        hook = self.options.reduction.hook
-        while isinstance(hook, NarrowedHook):
-            hook = hook.hook
-        if hook is None or not _keeps_state(hook, CommHook):
-            return None
-        return hook
+        """Whether an extension may keep state across steps."""
+        return self._extensions.keeps_state()
 
     def forget(self) -> None:
         """End the epoch: treat every tensor as new (after a checkpoint replaced
@@ -541,29 +504,9 @@ class Reducer:
         self.load_extension_state({})
 
 
-def _keeps_state(extension: Any, base: type) -> bool:
-    """Whether ``extension``'s class overrides ``state_dict`` of ``base``."""
-    return type(extension).state_dict is not base.state_dict  # type: ignore[attr-defined]
-
-
-#: The extensions that keep state, by id: each with the reducer it serves (both weakly).
-_SERVING: dict[int, tuple[weakref.ref[Any], weakref.ref[Reducer]]] = {}
-
-
-def _claim(extension: Any, reducer: Reducer, option: str) -> None:
-    """Let ``extension`` (a hook, a step policy: the ``option``) serve
-    ``reducer`` alone: its state is kept by bucket or parameter name, and two
-    optimizers' names can be the same (``param_groups[0][0]``)."""
-    if extension is None:
-        return
-    for key, (held, owner) in list(_SERVING.items()):
-        if held() is None or owner() is None:
-            del _SERVING[key]
-    serving = _SERVING.get(id(extension))
-    if serving is not None and serving[0]() is extension and serving[1]() is not reducer:
-        raise ValueError(
-            f"{option}: this {type(extension).__name__} already serves another optimizer; "
-            f"one that keeps state keeps it for one optimizer's tensors: give each optimizer "
-            f"its own (copy.deepcopy, or a new one)"
-        )
-    _SERVING[id(extension)] = (weakref.ref(extension), weakref.ref(reducer))
+def _dtype(name: str) -> torch.dtype:
+    """The dtype ``str(dtype)`` wrote (``"torch.float32"``)."""
+    found = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"the checkpoint's buffer state names no dtype: {name!r}")
+    return found

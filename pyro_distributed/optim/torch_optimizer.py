@@ -44,6 +44,7 @@ from torch import Tensor
 from ..engines import Engine
 from ..exchange import CommHook, Compression, GradBucket, Reducing
 from ..local.gradients import split_local
+from ..local.registry import local_of
 from ..policies import StepPolicy
 from ..torch_internals import init_optimizer_hooks
 from .front_end import FrontEnd
@@ -246,7 +247,8 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
                 loss = closure()
         reduced = self._synchronized
         if reduced is None:
-            if self.sync is not None:
+            # A step alone (the step policy's) has nothing to average first.
+            if self.sync is not None and self._reducer.averages_next_step():
                 self._warn_if_changed_since_backward()
             reduced = self._reduce()
         self._synchronized = None
@@ -301,10 +303,20 @@ class DistributedTorchOptimizer(FrontEnd, torch.optim.Optimizer):
         return self._names.state()
 
     def _own_optimizer_state(self) -> Any:
-        return self.wrapped.state_dict()
+        # Owned local rows' state travels in their blocks, not here.
+        saved = self.wrapped.state_dict()
+        params = [param for group in self.wrapped.param_groups for param in group["params"]]
+        saved["state"] = {
+            index: state
+            for index, state in saved["state"].items()
+            if local_of(params[index]) is None
+        }
+        return saved
 
     def _load_own_optimizer_state(self, state: Any) -> None:
-        self.wrapped.load_state_dict(state)
+        merged = self.wrapped.state_dict()  # the local rows' state, from their blocks
+        merged["state"] = {**merged["state"], **state["state"]}
+        self.wrapped.load_state_dict({**state, "state": merged["state"]})
 
     def checked_tensors(self) -> dict[str, Tensor]:
         """The parameters that must be identical on every worker (local ones are

@@ -37,8 +37,10 @@ class StepContext:
 
     :param engine: the engine every worker runs on (one worker included).
     :param step: how many steps the optimizer took before this one.
-    :param averaged: whether this step's gradients were averaged (then the
-        workers' shared parameters are identical already).
+    :param averaged: whether this step averaged the gradients of parameters
+        identical on every worker: then they are identical now. (The first step
+        with new parameters averages between two sync points too; there the
+        others still differ, and it counts as a step alone.)
     :param shared: the parameters every worker holds a copy of, by the names
         every worker shares; owned local parameters are never among them.
 

@@ -79,17 +79,21 @@ class DiLoCo(StepPolicy):
 
     def after_step(self, context: StepContext) -> bool:
         shared = context.shared
-        if context.averaged or set(self._start) != set(shared):
-            # Identical on every worker (an averaged step; or, for new names,
-            # the plan's first step, which always averages): a period starts.
+        if context.averaged:  # identical on every worker: a period starts
             self._start = {name: tensor.detach().clone() for name, tensor in shared.items()}
             self._velocity = {name: v for name, v in self._velocity.items() if name in self._start}
             self._since_sync = 0
-            return context.averaged
+            return True
+        for name in shared.keys() - self._start.keys():
+            # New between two sync points: it took worker 0's value at this
+            # step, which averaged its gradient; the period starts there for it.
+            self._start[name] = shared[name].detach().clone()
         self._since_sync += 1
         if self._since_sync < self.period:
             return False
         with torch.no_grad():
+            # A name of the period's start that this step did not hand over
+            # keeps its start until it is stepped again.
             moves = {name: self._start[name] - tensor for name, tensor in shared.items()}
             average_parameters(context.engine, moves, context.step)
             for name, tensor in shared.items():

@@ -1,10 +1,12 @@
 """Local SGD: each worker steps on its own gradients; the shared parameters
 are averaged every ``period`` steps.
 
-The schedule of torch's ``PostLocalSGDOptimizer`` with its
-``PeriodicModelAverager``: ``warmup_steps`` steps that average gradients as
-the default policy does, then averages of the parameters every ``period``
-steps. The wrapped optimizer's state (Adam's moments) stays each worker's own.
+As torch's ``PostLocalSGDOptimizer`` with a ``PeriodicModelAverager`` runs
+it: ``warmup_steps`` steps that average gradients as the default policy does,
+then an average of the parameters after every ``period``-th step alone
+(torch's averager counts its period from the warm-up's last step, so its
+averages fall one step earlier for the same arguments). The wrapped
+optimizer's state (Adam's moments) stays each worker's own.
 """
 
 from __future__ import annotations

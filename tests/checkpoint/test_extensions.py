@@ -40,6 +40,7 @@ import pyro_distributed as pd
 from pyro_distributed.checkpoint import files
 from pyro_distributed.exchange import AverageHook
 
+from ..support.checkpointed import CheckpointedRun
 from ..support.harness import run_workers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +81,7 @@ def guide(x: torch.Tensor, y: torch.Tensor) -> None:
     pass
 
 
-class Run:
+class Run(CheckpointedRun):
     """One training run of a front end, with a new hook and optimizer."""
 
     def __init__(self, front_end: str, kind: str, overlap: bool) -> None:
@@ -101,27 +102,6 @@ class Run:
                 comm_hook=hook,
                 overlap=overlap,
             )
-
-    def step(self) -> None:
-        if self.front_end == "pyro":
-            self.svi.step(self.x, self.y)
-            return
-        self.optim.zero_grad()
-        ((self.module(self.x) - self.y) ** 2).mean().backward()
-        self.optim.step()
-
-    def save(self, path: str) -> None:
-        extra = {} if self.front_end == "pyro" else {"module": self.module}
-        pd.save_checkpoint(path, self.optim, **extra)
-
-    def load(self, path: str) -> int:
-        extra = {} if self.front_end == "pyro" else {"module": self.module}
-        return pd.load_checkpoint(path, self.optim, **extra)
-
-    def values(self) -> list[torch.Tensor]:
-        if self.front_end == "pyro":
-            return [pyro.param(name).detach().clone() for name in ("weight", "bias")]
-        return [p.detach().clone() for p in self.module.parameters()]
 
 
 def resumes(front_end: str, kind: str, overlap: bool, folder: str) -> dict[str, bool]:

@@ -1,4 +1,5 @@
-"""A run trained through LowRankHook, resumed from a Lightning checkpoint, continues bitwise.
+"""A run trained through LowRankHook, or under DiLoCo, resumed from a Lightning
+checkpoint, continues bitwise.
 
 At 2 workers with overlap, and at 3 without (the layout the performance
 guide names for bitwise results from three workers on).
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning
+import pytest
 import torch
 from packaging.version import Version
 
@@ -82,7 +84,7 @@ def test_a_run_resumed_through_a_low_rank_hook_continues_bitwise(tmp_path: Path)
     assert "starts afresh" not in output
     stripped = without_hook_state(checkpoint, tmp_path / "no-hook-state.ckpt")
     afresh, output = run(tmp_path / "afresh", "--resume", str(stripped))
-    assert "holds no state of the communication hook: it starts afresh" in output
+    assert "holds no state of the communication hook or step policy: it starts afresh" in output
     after = 8 - RESUMED_AT
     for rank, (whole, again, control) in enumerate(zip(straight, resumed, afresh, strict=True)):
         assert whole["global_step"] == 8
@@ -128,3 +130,47 @@ def test_at_three_workers_without_overlap_a_resumed_run_continues_bitwise(tmp_pa
         assert again["losses"][:after] == whole["losses"][RESUMED_AT:], f"worker {rank}"
         for name, value in whole["params"].items():
             assert torch.equal(again["params"][name], value), (rank, name)
+
+
+# DiLoCo (step_policy=), between two sync points.
+#
+# A run trained under DiLoCo, resumed from a Lightning checkpoint between two
+# sync points, continues bitwise.
+#
+# ``scripts/fit_with_hook.py --diloco`` at 2 workers trains 8 steps under
+# ``DiLoCo(period=5)``: sync points after steps 1 and 6, each worker alone in
+# between. Lightning's ``ModelCheckpoint`` writes a file every 2 steps; the one
+# of step 4 (an epoch's end, where Lightning resumes a plain ``DataLoader``
+# exactly) falls between two sync points, so it must hold each worker's own
+# parameters and optimizer state, and the outer optimizer's period start. A
+# run resumed from it must end with the straight run's parameters and losses on
+# every worker, bitwise: for the module's own torch optimizer, and for a Pyro
+# optimizer of an ``SVI`` the module holds (``--svi``: scvi-tools' Pyro plans),
+# which the strategy wraps only as training starts, after Lightning restored
+# the checkpoint.
+
+
+@pytest.mark.parametrize("plan", ["module", "svi"])
+def test_a_run_resumed_under_diloco_between_sync_points_continues_bitwise(
+    tmp_path: Path, plan: str
+) -> None:
+    directory = tmp_path / "checkpoints"
+    chosen = ("--diloco", *(["--svi"] if plan == "svi" else []))
+    options = (*chosen, "--save-every", "2", "--checkpoint-dir", str(directory))
+    straight, _ = run(tmp_path / "straight", *options, hook=False)
+    checkpoint = directory / f"step={RESUMED_AT}.ckpt"
+    saved = torch.load(checkpoint, weights_only=False)["pyro_distributed"]
+    # One optimizer: each worker's state (the module's, or the SVI's).
+    (states,) = saved["extensions"] if plan == "module" else [saved["pyro_optim_extensions"]]
+    assert all("parameters" in state for state in states), "saved between two sync points"
+    resumed, _ = run(tmp_path / "resumed", *chosen, "--resume", str(checkpoint), hook=False)
+    after = 8 - RESUMED_AT
+    for rank, (whole, again) in enumerate(zip(straight, resumed, strict=True)):
+        assert whole["in_sync"] is False and whole["global_step"] == 8, rank
+        assert again["global_step"] == 8 + EXTRA_STEPS
+        assert again["losses"][:after] == whole["losses"][RESUMED_AT:], f"worker {rank}"
+        for name, value in whole["params"].items():
+            assert torch.equal(again["params"][name], value), (rank, name)
+    # Between sync points the workers differed: the file held each one's own.
+    first, second = (whole["params"] for whole in straight)
+    assert any(not torch.equal(first[name], second[name]) for name in first)

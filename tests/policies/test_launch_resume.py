@@ -17,7 +17,7 @@ from pyro.infer import SVI, Trace_ELBO
 
 import pyro_distributed as pd
 
-from .test_sync_points import data, guide, model
+from ..support.policies import data, guide, model
 
 STEPS = 5  # per launch; the straight launch makes twice as many
 

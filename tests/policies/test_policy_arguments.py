@@ -15,7 +15,7 @@ from pyro.infer import SVI, Trace_ELBO
 import pyro_distributed as pd
 
 from ..support.harness import run_workers
-from .test_sync_points import data, guide, model
+from ..support.policies import data, guide, model
 
 
 @pytest.mark.parametrize(

@@ -20,14 +20,14 @@ from pyro.infer import SVI, Trace_ELBO
 
 import pyro_distributed as pd
 
-from ..checkpoint import test_extensions as checkpointed
+from ..support.checkpointed import CheckpointedRun
 from ..support.harness import run_workers
-from .test_sync_points import data, guide, make_policy, model
+from ..support.policies import data, guide, make_policy, model
 
 STEPS, ROLLED_TO = 14, 11
 
 
-class Run(checkpointed.Run):
+class Run(CheckpointedRun):
     """One training run of a front end, with a new optimizer and policy (the
     steps, saves and loads of the hooks' checkpoint tests)."""
 
@@ -41,7 +41,8 @@ class Run(checkpointed.Run):
             self.svi = SVI(model, guide, self.optim, Trace_ELBO())
         else:
             torch.manual_seed(0)
-            self.module = torch.nn.Linear(6, 3)
+            # BatchNorm's running statistics: each worker's own between sync points.
+            self.module = torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.BatchNorm1d(3))
             self.optim = pd.DistributedTorchOptimizer(
                 torch.optim.Adam(self.module.parameters(), lr=0.05), **options
             )
@@ -88,7 +89,7 @@ def every_case(overlap: bool, folder: str) -> dict[str, dict[str, Any]]:
     return {
         f"{front_end}/{policy}/{save_at}": resumes(front_end, policy, save_at, overlap, folder)
         for front_end in ("pyro", "torch")
-        for policy in ("local_sgd_warmup", "diloco")
+        for policy in ("local_sgd_warmup", "diloco", "stateless")
         for save_at in (5, 7)
     }
 
@@ -102,7 +103,8 @@ def test_a_resumed_or_rolled_back_run_under_a_policy_continues_bitwise(
         for case, found in outcome.items():
             save_at = int(case.split("/")[2])
             # Sync points: after steps 1, 2, 5, 8 (local SGD, warm-up 2, period 3)
-            # or 1, 5, 9 (DiLoCo, period 4); step 7 is between two.
+            # (and the stateless policy: the same schedule) or 1, 5, 9 (DiLoCo,
+            # period 4); step 7 is between two.
             assert found["saved in sync"] == (save_at == 5), (rank, case)
             assert found["start"], (rank, case)
             assert found["rolled back"], f"worker {rank}, {case}: the rollback differs"

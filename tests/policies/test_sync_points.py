@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import pyro
-import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
@@ -22,6 +21,7 @@ import pyro_distributed as pd
 from pyro_distributed.policies import StepContext
 
 from ..support.harness import HorovodSuites, one_pytest_worker, run_workers
+from ..support.policies import data, guide, make_policy, model
 
 STEPS = 12
 
@@ -42,32 +42,6 @@ class Recording(pd.StepPolicy):
         return self.inner.after_step(context)
 
 
-def make_policy(name: str) -> pd.StepPolicy:
-    return {
-        "local_sgd": lambda: pd.LocalSGD(4),
-        "local_sgd_warmup": lambda: pd.LocalSGD(3, warmup_steps=2),
-        "diloco": lambda: pd.DiLoCo(4),
-    }[name]()
-
-
-def data(world_size_rows: int = 240) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(world_size_rows, 6, generator=generator)
-    y = x @ torch.randn(6, 3, generator=generator) + 0.3 * torch.randn(240, 3, generator=generator)
-    return pd.shard(x), pd.shard(y)
-
-
-def model(x: torch.Tensor, y: torch.Tensor) -> None:
-    weight = pyro.param("weight", torch.zeros(6, 3))
-    bias = pyro.param("bias", torch.zeros(3))
-    with pyro.plate("data", 240, subsample_size=len(x)):
-        pyro.sample("y", dist.Normal(x @ weight + bias, 0.5).to_event(1), obs=y)
-
-
-def guide(x: torch.Tensor, y: torch.Tensor) -> None:
-    pass
-
-
 def train_pyro(policy_name: str, check_every: int | None = None) -> dict[str, Any]:
     pyro.set_rng_seed(0)
     pyro.clear_param_store()
@@ -75,6 +49,14 @@ def train_pyro(policy_name: str, check_every: int | None = None) -> dict[str, An
     optim = pd.DistributedOptimizer(
         pyro.optim.Adam({"lr": 0.05}), step_policy=policy, check_every=check_every
     )
+    checked_at: list[int] = []  # the step counts at which the drift check ran
+    check = optim.check_in_sync
+
+    def counted_check() -> None:
+        checked_at.append(optim.num_steps)
+        check()
+
+    optim.check_in_sync = counted_check
     svi = SVI(model, guide, optim, Trace_ELBO())
     x, y = data()
     in_sync, params = [], []
@@ -83,7 +65,7 @@ def train_pyro(policy_name: str, check_every: int | None = None) -> dict[str, An
         in_sync.append(optim.in_sync)
         store = pyro.get_param_store()
         params.append({name: store[name].detach().clone() for name in ("weight", "bias")})
-    return {"in_sync": in_sync, "params": params, "before": policy.before}
+    return {"in_sync": in_sync, "params": params, "before": policy.before, "checked": checked_at}
 
 
 class Regression(torch.nn.Module):
@@ -199,7 +181,9 @@ def test_the_drift_check_runs_at_sync_points_alone() -> None:
     """``check_every=1``: checked after every step, the workers' differing
     parameters between sync points would fail it."""
     workers = run_workers(train_pyro, "local_sgd", 1)
-    assert all(worker["in_sync"][4] for worker in workers)
+    for worker in workers:
+        # After steps 1, 5 and 9 (sync points: indices 0, 4, 8), and only there.
+        assert worker["checked"] == [1, 5, 9], worker["checked"]
 
 
 def test_one_worker_runs_every_policy_unchanged_from_its_script() -> None:
@@ -218,4 +202,9 @@ def test_one_worker_runs_every_policy_unchanged_from_its_script() -> None:
         svi.step(x, y)
     for name in ("weight", "bias"):
         assert torch.equal(plain["params"][-1][name], pyro.param(name).detach())
+    pd.shutdown()
+    pd.init("local")
+    outer = train_pyro("diloco_plain")  # start - (start - now): now, up to rounding
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(outer["params"][-1][name], plain["params"][-1][name])
     pd.shutdown()
