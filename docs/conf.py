@@ -41,6 +41,7 @@ BENCHMARK_PAGES = {
     "LIGHTNING_RESULTS.md": "Lightning against DDPStrategy",
     "LINK_RESULTS.md": "Two hosts on a rate-limited link",
     "link_low_rank/LINK_RESULTS.md": "The low-rank hook on a 1 Gbit/s link",
+    "POLICY_RESULTS.md": "Step policies on a 1 Gbit/s link: time to a held-out loss",
     "CELL2LOCATION.md": "cell2location: owned spots, counts read by rows, a memory cap",
     "per_step_idle/gloo/RESULTS.md": "Per-step cost against DDP, idle re-run",
     "per_step_idle/mpi/RESULTS.md": "The MPI engine against two processes, idle re-run",
