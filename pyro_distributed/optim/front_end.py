@@ -116,7 +116,8 @@ class FrontEnd(ABC):
         Under a step policy that lets workers step alone
         (:class:`~pyro_distributed.LocalSGD`, :class:`~pyro_distributed.DiLoCo`)
         it holds this worker's own optimizer state too, and, between two sync
-        points, its own shared parameters: the rest of a checkpoint is worker 0's.
+        points, its own shared parameters and module buffers: the rest of a
+        checkpoint is worker 0's.
         """
         state = self._reducer.extension_state()
         if self._reducer.steps_alone:
