@@ -1,8 +1,8 @@
 """Local SGD: each worker steps on its own gradients; the shared parameters
 are averaged every ``period`` steps.
 
-As torch's ``PostLocalSGDOptimizer`` with a ``PeriodicModelAverager`` runs
-it: ``warmup_steps`` steps that average gradients as the default policy does,
+It follows torch's ``PostLocalSGDOptimizer`` with a ``PeriodicModelAverager``:
+``warmup_steps`` steps that average gradients as the default policy does,
 then an average of the parameters after every ``period``-th step alone
 (torch's averager counts its period from the warm-up's last step, so its
 averages fall one step earlier for the same arguments). The wrapped
