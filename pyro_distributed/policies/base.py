@@ -135,7 +135,9 @@ def average_parameters(engine: Engine, shared: Mapping[str, Tensor], step: int) 
     # (SVI hands over a set, whose order differs from process to process).
     layout = [(name, tuple(shared[name].shape), str(shared[name].dtype)) for name in sorted(shared)]
     mine = digest_int((step, layout)) % 2**62
-    header = torch.tensor([mine, -mine], dtype=torch.int64)
+    # Where the parameters live: a GPU engine's collectives take device tensors.
+    device = next(iter(shared.values())).device if shared else torch.device("cpu")
+    header = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
     engine.allreduce_([header], "max", ["pyro_distributed.policy.header"])
     if int(header[0]) != mine or -int(header[1]) != mine:
         require_agreement(

@@ -85,12 +85,16 @@ def resumes(
     return {**outcome, "start": start == save_at, "saved in sync": saved_in_sync}
 
 
+#: (policy, step saved at): DiLoCo at a sync point and between two; the
+#: others, which keep less, between two, where each worker's own is saved.
+CASES = (("diloco", 5), ("diloco", 7), ("local_sgd_warmup", 7), ("stateless", 7))
+
+
 def every_case(overlap: bool, folder: str) -> dict[str, dict[str, Any]]:
     return {
         f"{front_end}/{policy}/{save_at}": resumes(front_end, policy, save_at, overlap, folder)
         for front_end in ("pyro", "torch")
-        for policy in ("local_sgd_warmup", "diloco", "stateless")
-        for save_at in (5, 7)
+        for policy, save_at in CASES
     }
 
 

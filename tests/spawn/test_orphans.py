@@ -109,7 +109,10 @@ def test_workers_die_with_their_parent_and_the_next_launch_removes_its_folder(
         assert len(_folders_of(parent.pid)) == 1
         os.kill(parent.pid, signum)
         parent.wait(10)
-        assert _gone_within([*workers, *helpers], 5) == [], subprocess.run(
+        # The workers within seconds; the forkserver when it next runs, which on
+        # a machine whose every core is busy has taken more than five.
+        still = _gone_within(workers, 5) + _gone_within(helpers, 30)
+        assert still == [], subprocess.run(
             ["ps", "-o", "pid,ppid,pgid,stat,cmd", "-p", ",".join(map(str, workers + helpers))],
             capture_output=True, text=True, check=False,
         ).stdout  # fmt: skip
