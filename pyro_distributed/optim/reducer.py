@@ -304,12 +304,7 @@ class Reducer:
         assert plan is epoch.plan, "a plan of this epoch (plan_for or new_plan)"
         step = self._num_steps
         self._num_steps += 1
-        policy = self.options.step_policy
-        averaged = (
-            policy is None
-            or policy.averages_gradients(step)
-            or not (plan.stepped_once or self._continuing)
-        )
+        averaged = self._averages(step, plan)
         plan.stepped_once, self._continuing, self._own_loaded = True, False, {}
         sync, buffers = epoch.sync, epoch.buffers
         if sync is None or buffers is None:
@@ -411,10 +406,15 @@ class Reducer:
     def averages_next_step(self) -> bool:
         """Whether the next step will average gradients, as far as the step
         policy says (a step with new tensors averages whatever it says)."""
+        return self._averages(self._num_steps, None if self._epoch is None else self._epoch.plan)
+
+    def _averages(self, step: int, plan: Plan | None) -> bool:
+        """Whether step ``step`` on ``plan`` averages gradients: the policy's
+        answer, but a plan's first step (not one that continues a checkpoint's
+        run) averages whatever it says, so that new tensors take worker 0's values."""
         policy = self.options.step_policy
-        if policy is None or policy.averages_gradients(self._num_steps):
+        if policy is None or policy.averages_gradients(step):
             return True
-        plan = None if self._epoch is None else self._epoch.plan
         return plan is None or not (plan.stepped_once or self._continuing)
 
     @property
