@@ -40,7 +40,7 @@ import pyro_distributed as pd
 from pyro_distributed.checkpoint import files
 from pyro_distributed.exchange import AverageHook
 
-from ..support.checkpointed import CheckpointedRun
+from ..support.checkpointed import CheckpointedRun, resumed_against_straight
 from ..support.harness import run_workers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,42 +104,19 @@ class Run(CheckpointedRun):
             )
 
 
-def resumes(front_end: str, kind: str, overlap: bool, folder: str) -> dict[str, bool]:
+def resumes(front_end: str, kind: str, overlap: bool, folder: str) -> dict[str, Any]:
     """Straight, rolled back, resumed and (the control) resumed without the hook's state."""
-    path = f"{folder}/{front_end}-{kind}.pt"
-    straight = Run(front_end, kind, overlap)
-    for _ in range(STEPS):
-        straight.step()
-    expected = straight.values()
-
-    rolled = Run(front_end, kind, overlap)
-    for step in range(ROLLED_TO):
-        rolled.step()
-        if step + 1 == SAVE_AT:
-            rolled.save(path)
-    start = rolled.load(path)  # the same process, three steps later
-    for _ in range(start, STEPS):
-        rolled.step()
-    # Read now: the next run clears the param store.
-    found = {"rolled back": rolled.values()}
-
-    resumed = Run(front_end, kind, overlap)
-    for _ in range(resumed.load(path), STEPS):
-        resumed.step()
-    found["resumed"] = resumed.values()
-
-    control = Run(front_end, kind, overlap)
-    control.load(path)
-    control.optim.load_extension_state({})  # the hook starts afresh
-    for _ in range(SAVE_AT, STEPS):
-        control.step()
-    found["control"] = control.values()
-
-    outcome = {name: all(map(torch.equal, values, expected)) for name, values in found.items()}
-    return {**outcome, "start": start == SAVE_AT}
+    return resumed_against_straight(
+        lambda: Run(front_end, kind, overlap),
+        f"{folder}/{front_end}-{kind}.pt",
+        STEPS,
+        SAVE_AT,
+        ROLLED_TO,
+        lambda run: run.optim.load_extension_state({}),  # the hook starts afresh
+    )
 
 
-def every_case(overlap: bool, folder: str) -> dict[str, dict[str, bool]]:
+def every_case(overlap: bool, folder: str) -> dict[str, dict[str, Any]]:
     return {
         f"{front_end}/{kind}": resumes(front_end, kind, overlap, folder)
         for front_end in ("pyro", "torch")

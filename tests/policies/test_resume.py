@@ -20,7 +20,7 @@ from pyro.infer import SVI, Trace_ELBO
 
 import pyro_distributed as pd
 
-from ..support.checkpointed import CheckpointedRun
+from ..support.checkpointed import CheckpointedRun, resumed_against_straight
 from ..support.harness import run_workers
 from ..support.policies import data, guide, make_policy, model
 
@@ -51,38 +51,14 @@ class Run(CheckpointedRun):
 def resumes(
     front_end: str, policy: str, save_at: int, overlap: bool, folder: str
 ) -> dict[str, Any]:
-    path = f"{folder}/{front_end}-{policy}-{save_at}.pt"
-    straight = Run(front_end, policy, overlap)
-    for _ in range(STEPS):
-        straight.step()
-    expected = straight.values()
-
-    rolled = Run(front_end, policy, overlap)
-    saved_in_sync = None
-    for step in range(ROLLED_TO):
-        rolled.step()
-        if step + 1 == save_at:
-            saved_in_sync = rolled.optim.in_sync
-            rolled.save(path)
-    start = rolled.load(path)
-    for _ in range(start, STEPS):
-        rolled.step()
-    found = {"rolled back": rolled.values()}
-
-    resumed = Run(front_end, policy, overlap)
-    for _ in range(resumed.load(path), STEPS):
-        resumed.step()
-    found["resumed"] = resumed.values()
-
-    control = Run(front_end, policy, overlap)
-    control.load(path)
-    control.optim.forget()  # the policy, and this worker's own state, afresh
-    for _ in range(save_at, STEPS):
-        control.step()
-    found["control"] = control.values()
-
-    outcome = {name: all(map(torch.equal, values, expected)) for name, values in found.items()}
-    return {**outcome, "start": start == save_at, "saved in sync": saved_in_sync}
+    return resumed_against_straight(
+        lambda: Run(front_end, policy, overlap),
+        f"{folder}/{front_end}-{policy}-{save_at}.pt",
+        STEPS,
+        save_at,
+        ROLLED_TO,
+        lambda run: run.optim.forget(),  # the policy, and this worker's own state, afresh
+    )
 
 
 #: (policy, step saved at): DiLoCo at a sync point and between two; the
