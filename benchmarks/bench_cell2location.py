@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import resource
 import statistics
@@ -60,11 +61,15 @@ CONFIGS = {
     "W=2 owned, by rows": (2, "owned", "by-rows"),
     "W=2 owned, by rows, global batch": (2, "owned", "by-rows"),
     "W=2 replicated": (2, "replicated", "memory"),
+    "W=4 owned, by rows, global batch": (4, "owned", "by-rows"),
 }
 #: Configurations whose workers each take --batch-size / W spots a step, so
 #: that a step covers as many spots as W=1's (the others take --batch-size
 #: each, as Lightning's batch size is per worker).
-GLOBAL_BATCH = {"W=2 owned, by rows, global batch"}
+GLOBAL_BATCH = {"W=2 owned, by rows, global batch", "W=4 owned, by rows, global batch"}
+#: Steps at the start of a ``--steps`` run left out of its step time: the
+#: first builds the guide's parameters, the second still warms the allocator.
+WARMUP_STEPS = 2
 
 
 def load_example() -> Any:
@@ -105,6 +110,7 @@ def worker(args: argparse.Namespace) -> None:
     scvi.settings.seed = args.seed
     adata, model = model_from_h5ad(args.data, by_rows=args.read == "by-rows")
     epochs: list[float] = []
+    steps: list[float] = []
 
     class Clock(pl.Callback):
         def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
@@ -113,27 +119,49 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
             epochs.append(time.perf_counter() - self.started)
 
+        def on_train_batch_start(self, trainer: Any, module: Any, *_: Any) -> None:
+            self.step_started = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *_: Any) -> None:
+            steps.append(time.perf_counter() - self.step_started)
+
     options: dict[str, Any] = {}
     if args.devices > 1:
-        options["strategy"] = PyroDistributedStrategy(own_local_params=args.mode == "owned")
+        options["strategy"] = PyroDistributedStrategy(
+            own_local_params=args.mode == "owned",
+            **({"local_updates": args.local_updates} if args.mode == "owned" else {}),
+        )
+    if args.steps:
+        options["max_steps"] = args.steps
     if hasattr(adata.X, "reset_counts"):
         adata.X.reset_counts()
     before = rss_mb()
-    model.train(
-        max_epochs=args.epochs,
-        batch_size=args.batch_size,
-        accelerator="cpu",
-        device=args.devices,
-        callbacks=[Clock()],
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        **options,
-    )
+    report: dict[str, Any] = {"rank": rank, "rss_before_train_mb": before}
+    if args.address_space_mb:  # an allocation past it raises, rather than the OOM killer
+        limit = args.address_space_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+        model.train(
+            max_epochs=args.epochs,
+            batch_size=args.batch_size,
+            accelerator="cpu",
+            device=args.devices,
+            callbacks=[Clock()],
+            enable_progress_bar=False,
+            logger=False,
+            enable_checkpointing=False,
+            **options,
+        )
+    except (MemoryError, RuntimeError) as error:  # what the failing allocation asked for
+        report["failed"] = f"{type(error).__name__}: {error}"[:500]
+        report["where"] = [f"{f.filename}:{f.lineno} {f.name}" for f in _frames(error)][-6:]
+        report["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(report))
+        return
     rank = model.trainer.global_rank
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    report: dict[str, Any] = {"rank": rank, "peak_rss_mb": peak, "rss_before_train_mb": before}
-    report["epochs_s"] = epochs
+    report["rank"] = rank
+    report["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    report["epochs_s"], report["steps_s"] = epochs, steps
     if group is not None:
         from memory_cap import peak_megabytes
 
@@ -151,6 +179,12 @@ def worker(args: argparse.Namespace) -> None:
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(report))
 
 
+def _frames(error: BaseException) -> list[Any]:
+    import traceback
+
+    return list(traceback.extract_tb(error.__traceback__))
+
+
 def model_from_h5ad(path: str | Path, *, by_rows: bool) -> tuple[Any, Any]:
     """The AnnData of ``path`` (read whole, or by rows) and cell2location's
     model of it, with the signatures that ``write_data`` saved."""
@@ -164,10 +198,34 @@ def model_from_h5ad(path: str | Path, *, by_rows: bool) -> tuple[Any, Any]:
     return adata, model
 
 
-def write_data(path: Path, args: argparse.Namespace, spots: int) -> None:
-    """The data set as an ``.h5ad``: CSR counts, the signatures in ``varm``."""
-    example = load_example()
-    example.save_h5ad(*example.synthetic_visium_hd(spots, args.genes, args.types, seed=0), path)
+def data_path(args: argparse.Namespace, spots: int) -> Path:
+    """Where the data set of ``spots`` spots is made once and reused."""
+    name = f"data{spots}x{args.genes}"
+    if args.types != 30 or args.umis_per_bin:
+        name += f"x{args.types}_{args.umis_per_bin or 'default'}umi"
+    return Path(args.workdir) / f"{name}.h5ad"
+
+
+def write_data(path: Path, args: argparse.Namespace, spots: int) -> dict[str, float]:
+    """The data set as an ``.h5ad``: CSR counts, the signatures in ``varm``,
+    streamed to the file a block of spots at a time (``write_visium_hd``).
+    What it took (seconds, bytes, stored counts, peak RSS) goes beside it
+    in ``PATH.json``."""
+    partial = path.with_suffix(".part")
+    made = load_example().write_visium_hd(
+        partial,
+        spots,
+        args.genes,
+        args.types,
+        seed=0,
+        block=10_000,
+        umis_per_bin=args.umis_per_bin,
+    )
+    partial.replace(path)
+    made["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    path.with_suffix(".json").write_text(json.dumps(made))
+    print(f"wrote {path}: {made}", flush=True)
+    return made
 
 
 def run(
@@ -179,6 +237,10 @@ def run(
     command = [sys.executable, __file__, "--worker", "--data", str(data), "--out", str(out)]
     command += ["--devices", str(devices), "--mode", mode, "--read", read]
     command += ["--epochs", str(args.epochs), "--threads", str(args.threads), "--seed", str(seed)]
+    command += ["--local-updates", args.local_updates]
+    command += ["--steps", str(args.steps)] if args.steps else []
+    if args.address_space_mb:
+        command += ["--address-space-mb", str(args.address_space_mb)]
     if args.batch_size:
         per_worker = args.batch_size // devices if config in GLOBAL_BATCH else args.batch_size
         command += ["--batch-size", str(per_worker)]
@@ -203,15 +265,21 @@ def drive(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     for spots in args.spots:
-        data = workdir / f"data{spots}x{args.genes}.h5ad"
+        data = data_path(args, spots)
         if not data.exists():
             write_data(data, args, spots)
         for config in args.configs:
             size = f"{spots}x{args.genes}"
             out = workdir / f"{size}_{config.replace(' ', '_').replace(',', '')}"
             reports = run(args, data, out, config)
-            results[f"{size} {config}"] = _summary(reports) if reports else {"killed": True}
-            print(size, config, results[f"{size} {config}"], flush=True)
+            summary = _summary(reports, args, spots, config) if reports else {"killed": True}
+            summary["data"] = (
+                json.loads(data.with_suffix(".json").read_text())
+                if (data.with_suffix(".json").exists())
+                else None
+            )
+            results[result_key(spots, args, config)] = summary
+            print(size, config, summary, flush=True)
     target = Path(args.results) if args.results else HERE / "cell2location.json"
     target.write_text(json.dumps(results, indent=1))
     print(table(results))
@@ -226,40 +294,106 @@ def merge(paths: list[str]) -> None:
     print(table(results))
 
 
-def _summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
+def _summary(
+    reports: list[dict[str, Any]], args: argparse.Namespace, spots: int, config: str
+) -> dict[str, Any]:
+    """The largest worker's memory; the slowest worker's median epoch after
+    the first, or with ``--steps`` its median step after ``WARMUP_STEPS``
+    and the epoch that makes: steps an epoch x the step, where a worker
+    takes ceil(its spots / its batch) steps an epoch."""
+    summary: dict[str, Any] = {
         "rows_read": [r.get("rows_read") for r in reports],
-        "peak_rss_mb": max(r["peak_rss_mb"] for r in reports),
-        "rss_before_train_mb": max(r["rss_before_train_mb"] for r in reports),
-        "epoch_s": statistics.median(
-            max(r["epochs_s"][e] for r in reports) for e in range(1, len(reports[0]["epochs_s"]))
-        ),
+        "peak_rss_mb": [r["peak_rss_mb"] for r in reports],
+        "rss_before_train_mb": [r["rss_before_train_mb"] for r in reports],
+        "local_updates": args.local_updates,
     }
+    failed = [r for r in reports if "failed" in r]
+    if failed:
+        summary["failed"], summary["where"] = failed[0]["failed"], failed[0]["where"]
+        return summary
+    if args.steps:
+        workers = CONFIGS[config][0]
+        batch = args.batch_size // workers if config in GLOBAL_BATCH else args.batch_size
+        per_step = [
+            max(r["steps_s"][s] for r in reports) for s in range(len(reports[0]["steps_s"]))
+        ]
+        summary["step_s"] = statistics.median(per_step[WARMUP_STEPS:])
+        summary["steps_per_epoch"] = math.ceil(math.ceil(spots / workers) / batch)
+        summary["epoch_s"] = summary["step_s"] * summary["steps_per_epoch"]
+        summary["first_step_s"] = per_step[0]
+    else:
+        summary["epoch_s"] = statistics.median(
+            max(r["epochs_s"][e] for r in reports) for e in range(1, len(reports[0]["epochs_s"]))
+        )
+    return summary
 
 
 def table(results: dict[str, Any]) -> str:
-    """The Markdown table of ``results``, each row against W=1 at the same N."""
+    """The Markdown table of ``results``, each row against W=1 at the same
+    size, batch and local updates (W=1 in mini-batches where W=1 in full
+    batch failed)."""
     lines = [
-        "| spots x genes | configuration | peak RSS per worker (MB) | x W=1 "
-        "| RSS before train (MB) | training's own (MB) | x W=1 | time per epoch (s) | x W=1 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| spots x genes | batch | local updates | configuration | peak RSS per worker (MB) "
+        "| x W=1 | RSS before train (MB) | training's own (MB) | x W=1 | time per step (s) "
+        "| time per epoch (s) | x W=1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, row in results.items():
-        size, name = key.split(" ", 1)
+        size, batch, updates, name = _key_parts(key)
         spots, genes = (int(n) for n in size.split("x"))
+        head = f"| {spots:,} x {genes:,} | {batch} | {updates} | {name} |"
         if row.get("killed"):
-            lines.append(f"| {spots:,} x {genes:,} | {name} | killed at the cap | | | | | | |")
+            lines.append(f"{head} killed at the cap | | | | | | | |")
             continue
-        base = results[f"{size} W=1"]
-        own = row["peak_rss_mb"] - row["rss_before_train_mb"]
-        base_own = base["peak_rss_mb"] - base["rss_before_train_mb"]
+        if row.get("failed"):
+            lines.append(
+                f"{head} {_largest(row['peak_rss_mb']):.0f} | | | | | failed: "
+                f"{row['failed'][:160]} | | |"
+            )
+            continue
+        base = _reference(results, size, batch)
+        peak, before = _largest(row["peak_rss_mb"]), _largest(row["rss_before_train_mb"])
+        own = peak - before
+        step = f"{row['step_s']:.2f}" if "step_s" in row else ""
+        if base is None:
+            lines.append(
+                f"{head} {peak:.0f} | | {before:.0f} | {own:.0f} | | {step} | "
+                f"{row['epoch_s']:.1f} | |"
+            )
+            continue
+        base_peak = _largest(base["peak_rss_mb"])
+        base_own = base_peak - _largest(base["rss_before_train_mb"])
         lines.append(
-            f"| {spots:,} x {genes:,} | {name} | {row['peak_rss_mb']:.0f} | "
-            f"{row['peak_rss_mb'] / base['peak_rss_mb']:.2f} | {row['rss_before_train_mb']:.0f} | "
-            f"{own:.0f} | {own / base_own:.2f} | {row['epoch_s']:.2f} | "
+            f"{head} {peak:.0f} | {peak / base_peak:.2f} | {before:.0f} | {own:.0f} | "
+            f"{own / base_own:.2f} | {step} | {row['epoch_s']:.1f} | "
             f"{row['epoch_s'] / base['epoch_s']:.2f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def result_key(spots: int, args: argparse.Namespace, config: str) -> str:
+    return f"{spots}x{args.genes}|{args.batch_size or 'full'}|{args.local_updates}|{config}"
+
+
+def _key_parts(key: str) -> tuple[str, str, str, str]:
+    if "|" in key:
+        size, batch, updates, name = key.split("|")
+        return size, batch, updates, name
+    size, name = key.split(" ", 1)  # results written before batch and updates were keys
+    return size, "", "dense", name
+
+
+def _reference(results: dict[str, Any], size: str, batch: str) -> dict[str, Any] | None:
+    for key, row in results.items():
+        k_size, k_batch, _, name = _key_parts(key)
+        if (k_size, k_batch, name) == (size, batch, "W=1") and not row.get("failed"):
+            return row
+    return None
+
+
+def _largest(value: Any) -> float:
+    """A worker's figure: the largest of a list, or the one figure older results hold."""
+    return float(max(value)) if isinstance(value, list) else float(value)
 
 
 def main() -> None:
@@ -267,6 +401,17 @@ def main() -> None:
     parser.add_argument("--spots", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--genes", type=int, default=300)
     parser.add_argument("--types", type=int, default=30)
+    parser.add_argument(
+        "--umis-per-bin",
+        type=float,
+        default=None,
+        help="expected counts a bin (default: a few hundred)",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument("--local-updates", choices=["dense", "sparse"], default="dense")
+    parser.add_argument(
+        "--address-space-mb", type=int, default=None, help="cap each worker's address space"
+    )
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--workdir", default="/tmp/bench_cell2location")

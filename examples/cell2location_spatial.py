@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,16 +86,50 @@ def _signatures(rng: np.random.Generator, n_genes: int, n_types: int) -> np.ndar
 
 
 def synthetic_visium_hd(
-    n_spots: int, n_genes: int, n_types: int, seed: int = 0, block: int = 20_000
+    n_spots: int,
+    n_genes: int,
+    n_types: int,
+    seed: int = 0,
+    block: int = 20_000,
+    umis_per_bin: float | None = None,
 ) -> tuple[Any, Any]:
-    """Sparse counts at Visium HD's sizes: the same generative story as
-    :func:`synthetic_visium` (types around centres in space, signatures with
-    markers, gamma-Poisson, that is negative-binomial, counts), drawn
-    ``block`` spots at a time, so that no dense spots x genes array is ever
-    made. Bins are smaller than spots: about one to three cells each, a few
-    hundred counts. Returns ``(adata, signatures)``, the counts CSR float32.
+    """Sparse counts at Visium HD's sizes, in memory: the blocks of
+    :func:`visium_hd_blocks` stacked into one AnnData. Returns ``(adata,
+    signatures)``, the counts CSR float32. :func:`write_visium_hd` writes
+    the same counts to a file without ever holding them all.
     """
     import anndata
+    import scipy.sparse
+
+    signatures, blocks = visium_hd_blocks(n_spots, n_genes, n_types, seed, block, umis_per_bin)
+    adata = anndata.AnnData(
+        X=scipy.sparse.vstack(list(blocks), format="csr"),
+        obs=_bins(n_spots),
+        var=signatures.iloc[:, :0],
+    )
+    return adata, signatures
+
+
+def visium_hd_blocks(
+    n_spots: int,
+    n_genes: int,
+    n_types: int,
+    seed: int = 0,
+    block: int = 20_000,
+    umis_per_bin: float | None = None,
+) -> tuple[Any, Iterator[Any]]:
+    """The signatures and the counts, ``block`` spots at a time.
+
+    The generative story of :func:`synthetic_visium` (types around centres in
+    space, signatures with markers, gamma-Poisson, that is negative-binomial,
+    counts), drawn block by block so that no dense spots x genes array is
+    ever made: at most ``block`` x ``n_genes``. Bins are smaller than spots:
+    about one to three cells each. By default a bin holds a few hundred
+    counts; ``umis_per_bin`` sets each bin's expected total instead (before
+    the per-bin detection noise), for a density taken from a real platform.
+    Returns ``(signatures, blocks)``: a DataFrame (genes x types) and an
+    iterator of CSR float32 blocks, in order.
+    """
     import pandas
     import scipy.sparse
 
@@ -104,25 +139,70 @@ def synthetic_visium_hd(
     scale = rng.gamma(2.0, 0.3, size=(1, n_types))  # ~2 cells per bin in all
     signatures = _signatures(rng, n_genes, n_types)
     gene_scale = rng.gamma(5.0, 0.2, size=(1, n_genes))
-    blocks = []
-    for start in range(0, n_spots, block):
-        spots = np.arange(start, min(start + block, n_spots))
-        grid = np.stack(np.divmod(spots, side), axis=1) / side
-        distance = np.linalg.norm(grid[:, None, None, :] - centres[None], axis=-1).min(axis=2)
-        density = np.exp(-((distance / 0.15) ** 2)) * scale
-        abundance = density * (rng.uniform(size=density.shape) < 0.8)
-        detection = rng.gamma(20.0, 0.1 / 20.0, size=(len(spots), 1))
-        mean = (detection * gene_scale * (abundance @ signatures.T)).astype(np.float32)
-        counts = rng.poisson(rng.gamma(20.0, mean / 20.0 + 1e-12)).astype(np.float32)
-        blocks.append(scipy.sparse.csr_matrix(counts))
     genes = [f"gene{g}" for g in range(n_genes)]
-    adata = anndata.AnnData(
-        X=scipy.sparse.vstack(blocks, format="csr"),
-        obs=pandas.DataFrame({"sample": "s1"}, index=[f"bin{s}" for s in range(n_spots)]),
-        var=pandas.DataFrame(index=genes),
-    )
     frame = pandas.DataFrame(signatures, index=genes, columns=[f"type{f}" for f in range(n_types)])
-    return adata, frame
+
+    def blocks() -> Iterator[Any]:
+        for start in range(0, n_spots, block):
+            spots = np.arange(start, min(start + block, n_spots))
+            grid = np.stack(np.divmod(spots, side), axis=1) / side
+            distance = np.linalg.norm(grid[:, None, None, :] - centres[None], axis=-1).min(axis=2)
+            density = np.exp(-((distance / 0.15) ** 2)) * scale
+            abundance = density * (rng.uniform(size=density.shape) < 0.8)
+            detection = rng.gamma(20.0, 0.1 / 20.0, size=(len(spots), 1))
+            expression = gene_scale * (abundance @ signatures.T)
+            if umis_per_bin is not None:  # the same noise, around the expected total asked for
+                total = expression.sum(axis=1, keepdims=True)
+                detection *= umis_per_bin / 0.1 / np.maximum(total, 1e-12)
+            mean = (detection * expression).astype(np.float32)
+            counts = rng.poisson(rng.gamma(20.0, mean / 20.0 + 1e-12)).astype(np.float32)
+            yield scipy.sparse.csr_matrix(counts)
+
+    return frame, blocks()
+
+
+def write_visium_hd(
+    path: str | Path,
+    n_spots: int,
+    n_genes: int,
+    n_types: int,
+    seed: int = 0,
+    block: int = 20_000,
+    umis_per_bin: float | None = None,
+) -> dict[str, float]:
+    """Write :func:`synthetic_visium_hd`'s data set to ``path``, an ``.h5ad``
+    that :func:`read_h5ad` reads (CSR counts, the signatures in
+    ``varm["signatures"]``), streaming: the counts go to the file block by
+    block, and the most held at once is one block. Returns what it took:
+    ``seconds``, ``bytes`` (the file) and ``nonzero`` (stored counts)."""
+    import anndata
+    import h5py
+
+    started = time.perf_counter()
+    signatures, blocks = visium_hd_blocks(n_spots, n_genes, n_types, seed, block, umis_per_bin)
+    annotations = anndata.AnnData(
+        obs=_bins(n_spots), var=signatures.iloc[:, :0], varm={"signatures": signatures.to_numpy()}
+    )
+    annotations.write_h5ad(path)  # obs, var, varm and the rest; X is added below
+    nonzero = 0
+    with h5py.File(path, "r+") as file:
+        if "X" in file:
+            del file["X"]
+        for number, counts in enumerate(blocks):
+            nonzero += counts.nnz
+            if number == 0:
+                anndata.io.write_elem(file, "X", counts)  # resizable: appended to
+                matrix = anndata.io.sparse_dataset(file["X"])
+            else:
+                matrix.append(counts)
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "bytes": float(Path(path).stat().st_size), "nonzero": nonzero}
+
+
+def _bins(n_spots: int) -> Any:
+    import pandas
+
+    return pandas.DataFrame({"sample": "s1"}, index=[f"bin{s}" for s in range(n_spots)])
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -169,11 +249,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     reads["train"] = _reads(adata)
     held = _spots_held(model)
+    # cell2location's own batch size for its exports; None: one batch a worker
+    batches = {"batch_size": args.export_batch} if args.export_batch else {}
     if args.mode == "owned" and args.results:  # summarised and written by the owners
-        abundance = write_by_owners(model, args.results)
+        abundance = write_by_owners(model, args.results, **batches)
     elif args.mode == "owned":  # each worker summarises its own spots
         with owned_posterior(model):
-            model.export_posterior(adata, use_quantiles=True, add_to_obsm=["q50"])
+            model.export_posterior(
+                adata, use_quantiles=True, add_to_obsm=["q50"], sample_kwargs=batches
+            )
         abundance = adata.obsm["q50_cell_abundance_w_sf"].to_numpy()
     else:
         model.export_posterior(adata, use_quantiles=True, add_to_obsm=["q50"])
@@ -182,7 +266,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     return {"abundance": abundance, "seconds": seconds, "spots_held": held, "reads": reads}
 
 
-def write_by_owners(model: Any, path: str) -> np.ndarray:
+def write_by_owners(model: Any, path: str, **quantile_kwargs: Any) -> np.ndarray:
     """The median abundances, each worker's spots summarised and written into
     ``path`` (an ``.h5ad``) by their owner, without joining them anywhere;
     read back whole (for the comparison only)."""
@@ -191,7 +275,8 @@ def write_by_owners(model: Any, path: str) -> np.ndarray:
     from pyro_distributed.integrations.scvi import owned_posterior, write_owned_obsm
 
     with owned_posterior(model, to="owners"):
-        median = model.posterior_quantile(q=0.5)  # export_posterior's call; this worker's spots
+        # export_posterior's call; this worker's spots
+        median = model.posterior_quantile(q=0.5, **quantile_kwargs)
     key = "q50_cell_abundance_w_sf"
     write_owned_obsm(path, {key: median["w_sf"]}, obs_names=model.adata.obs_names)
     return np.asarray(anndata.read_h5ad(path).obsm[key])
@@ -247,7 +332,7 @@ def _reads(adata: Any) -> dict[str, Any] | None:
     if not hasattr(counts, "rows_read"):
         return None
     reads = {"rows": counts.rows_read, "bytes": counts.bytes_read, "span": counts.row_span}
-    reads["streamed"] = counts.rows_streamed
+    reads["streamed"], reads["largest"] = counts.rows_streamed, counts.largest_read
     counts.reset_counts()
     return reads
 
@@ -389,6 +474,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--results", default=None, help="owned: the owners write the abundances into this .h5ad"
     )
+    parser.add_argument("--export-batch", type=int, default=None, help="spots a posterior batch")
     return parser.parse_args(argv)
 
 
