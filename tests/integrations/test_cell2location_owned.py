@@ -120,9 +120,12 @@ def test_each_worker_reads_only_its_spots_and_trains_as_from_memory(
     if batches == "mini-batches":
         options += ["--batch-size", "40"]  # 4 batches of each worker's 150 or 151 spots
     # Read by rows, the owners also write the abundances into a file block by
-    # block (write_owned_obsm); whole, export_posterior joins them in memory.
+    # block (write_owned_obsm), summarised 40 spots a batch; whole,
+    # export_posterior summarises each block in one batch and joins them.
     results = tmp_path / "abundances.h5ad"
-    by_rows = train(tmp_path, "by-rows", *options, "--results", str(results))
+    by_rows = train(
+        tmp_path, "by-rows", *options, "--results", str(results), "--export-batch", "40"
+    )
     whole = train(tmp_path, "whole", *options, "--in-memory")
     assert results.exists()
     # The same counts, the same arithmetic: the same abundances, bitwise.
@@ -137,6 +140,8 @@ def test_each_worker_reads_only_its_spots_and_trains_as_from_memory(
         assert reads["setup"]["rows"] == 100 and reads["setup"]["span"] == [0, 100]
         # Training and the owned posterior: this worker's spots only.
         assert reads["train"]["span"] == reads["export"]["span"] == list(block), reads
+        # The posterior's batches: at most the 40 spots asked for, each spot once.
+        assert reads["export"]["rows"] == size and reads["export"]["largest"] == 40, reads
         if batches == "full batch":  # copied to the device once
             assert reads["train"]["rows"] == size
         else:  # every spot once an epoch, and the guide's warm-up batch

@@ -65,10 +65,10 @@ def test_rows_are_read_in_any_order_and_only_they_are_counted(written: tuple[Pat
     assert (rows[mask] != counts[mask]).nnz == 0
     assert (rows[[2, 9], [0, 5]] != counts[[2, 9]][:, [0, 5]]).nnz == 0
     assert rows.rows_read == 4 + 800 + 15 + 2 + 3 + 2
-    assert rows.row_span == (0, 20_000)
+    assert rows.row_span == (0, 20_000) and rows.largest_read == 800
     rows.reset_counts()
     rows[1000:1010]
-    assert (rows.rows_read, rows.row_span) == (10, (1000, 1010))
+    assert (rows.rows_read, rows.row_span, rows.largest_read) == (10, (1000, 1010), 10)
     assert rows.bytes_read == counts[1000:1010].data.nbytes + counts[1000:1010].indices.nbytes
 
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ... import runtime
-from ...checks import check_choice
+from ...checks import check_choice, check_int
 from ...data.subsample import shard_subsamples
 from ...gather import gather_pieces
 from ...partition import block_range
@@ -47,6 +47,11 @@ from . import internals
 __all__ = ["owned_posterior"]
 
 Summaries = dict[str, Any]
+#: Spots of a worker's block whose quantiles one batch computes, where the
+#: caller gives no ``batch_size``: scvi-tools' loader hands the guide each
+#: batch's counts as one dense tensor, about 280 MB at 8,588 genes, where
+#: the whole block would be 11.7 GB a worker at 678,771 spots and W=2.
+QUANTILE_ROWS = 8192
 #: Where the plate's summaries go: joined on every worker, joined on worker 0,
 #: or left with their owners (each worker its block's, in the AnnData's order).
 SummariesTo = Literal["all", "main", "owners"]
@@ -105,15 +110,37 @@ def owned_posterior(model: Any, *, to: SummariesTo = "all") -> Iterator[Any]:
 def _quantiles(
     model: Any, block: np.ndarray, engine: Any, to: SummariesTo
 ) -> Callable[..., Summaries | None]:
-    """cell2location's ``posterior_quantile`` over this worker's block (its
-    full-batch form: every guide's quantiles of one block at once)."""
+    """cell2location's ``posterior_quantile`` over this worker's block, in
+    batches of ``batch_size`` spots (:data:`QUANTILE_ROWS` by default),
+    joined along the plate: a spot's quantiles are its own parameters' and
+    equal the one-batch ones bitwise. cell2location's own method ignores
+    ``batch_size`` for an ``AutoNormal`` guide and loads every spot's counts
+    in one dense batch, which at Visium HD sizes does not fit."""
 
     def posterior_quantile(**kwargs: Any) -> Summaries | None:
-        kwargs.pop("batch_size", None)
+        rows = kwargs.pop("batch_size", None)
+        check_int("batch_size", rows, minimum=1, optional=True)
+        rows = rows or QUANTILE_ROWS
         exclude = kwargs.pop("exclude_vars", None) or []
+        starts = range(0, len(block), rows) if len(block) else range(1)
         with shard_subsamples(own_local_params=True):
-            values = internals.posterior_quantile(model, block, exclude_vars=exclude, **kwargs)
-        joined = _join(engine, values, _plate_sites(model, block), to)
+            pieces = [
+                internals.posterior_quantile(
+                    model, block[start : start + rows], exclude_vars=exclude, **kwargs
+                )
+                for start in starts
+            ]
+        sites = _plate_sites(model, block)
+        values = {
+            name: np.concatenate(
+                [np.asarray(piece[name]) for piece in pieces],
+                axis=_axis(sites[name], np.ndim(value)),
+            )
+            if name in sites and len(pieces) > 1
+            else value
+            for name, value in pieces[0].items()
+        }
+        joined = _join(engine, values, sites, to)
         return None if to == "main" and engine.rank != 0 else joined
 
     return posterior_quantile
@@ -142,12 +169,13 @@ def _join(engine: Any, values: Summaries, sites: dict[str, int], to: SummariesTo
         for name, v in values.items()
         if name in sites
     }
-    axes: dict[str, int | None] = {name: _axis(sites[name], local[name]) for name in local}
+    axes: dict[str, int | None] = {name: _axis(sites[name], local[name].dim()) for name in local}
     joined = gather_pieces(engine, local, axes, to) or {}
     out = {**shared, **{name: value.numpy() for name, value in joined.items()}}
     return {name: out[name] for name in values if name in out}
 
 
-def _axis(dim: int, value: torch.Tensor) -> int:
-    """The plate's axis of a summary, from the right (scvi-tools gives it from the right)."""
-    return dim if dim < 0 else dim - value.dim()
+def _axis(dim: int, ndim: int) -> int:
+    """The plate's axis of a summary of ``ndim`` dimensions, from the right
+    (scvi-tools gives it from the right)."""
+    return dim if dim < 0 else dim - ndim

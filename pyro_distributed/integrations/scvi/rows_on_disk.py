@@ -69,8 +69,9 @@ class RowsOnDisk:
     Counters, since opening or :meth:`reset_counts`: ``rows_read`` (rows
     returned by indexing, repeats included), ``bytes_read`` (their values
     and column indices), ``row_span`` (``(lowest, highest + 1)`` of those
-    rows, ``None`` before any) and ``rows_streamed`` (rows that sums read
-    and dropped).
+    rows, ``None`` before any), ``largest_read`` (the most rows one indexing
+    returned: what a loader's batch held at once) and ``rows_streamed``
+    (rows that sums read and dropped).
 
     Example::
 
@@ -109,6 +110,7 @@ class RowsOnDisk:
         self.rows_read = 0
         self.bytes_read = 0
         self.rows_streamed = 0
+        self.largest_read = 0
         self.row_span: tuple[int, int] | None = None
 
     @property
@@ -117,7 +119,7 @@ class RowsOnDisk:
 
     def reset_counts(self) -> None:
         """Start counting reads afresh (after set-up, say, before training)."""
-        self.rows_read = self.bytes_read = self.rows_streamed = 0
+        self.rows_read = self.bytes_read = self.rows_streamed = self.largest_read = 0
         self.row_span = None
 
     def __getitem__(self, index: Any) -> Any:
@@ -136,6 +138,7 @@ class RowsOnDisk:
         matrix, nbytes = self._read(rows)
         self.rows_read += len(rows)
         self.bytes_read += nbytes
+        self.largest_read = max(self.largest_read, len(rows))
         if len(rows):
             low, high = int(rows.min()), int(rows.max()) + 1
             span = self.row_span or (low, high)
