@@ -314,6 +314,7 @@ def _summary(
     if args.steps:
         workers = CONFIGS[config][0]
         batch = args.batch_size // workers if config in GLOBAL_BATCH else args.batch_size
+        batch = batch or math.ceil(spots / workers)  # full batch: one step an epoch
         per_step = [
             max(r["steps_s"][s] for r in reports) for s in range(len(reports[0]["steps_s"]))
         ]

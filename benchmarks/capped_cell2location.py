@@ -54,6 +54,9 @@ def story(args: argparse.Namespace) -> dict[str, Any]:
             batch_size=None,
             memory_cap=cap,
             abundance=epochs == args.epochs,
+            steps=None,
+            local_updates="dense",
+            address_space_mb=None,
         )
         reports = run(options, data, workdir / tag, config, seed=seed)
         if reports is None:
@@ -117,7 +120,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--workdir", default="/tmp/capped_cell2location")
-    story(parser.parse_args())
+    story(parser.parse_args(namespace=argparse.Namespace(umis_per_bin=None)))
 
 
 if __name__ == "__main__":

@@ -198,7 +198,7 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--ops", action="store_true", help="allocations by op (module docstring)")
-    drive_or_work = parser.parse_args()
+    drive_or_work = parser.parse_args(namespace=argparse.Namespace(umis_per_bin=None))
     (worker if drive_or_work.worker else drive)(drive_or_work)
 
 

@@ -92,7 +92,9 @@ def test_messenger_guides_own_their_spots(tmp_path: Path, guide: str) -> None:
     # 150 epochs (AutoHierarchicalNormalMessenger's estimates correlate 0.78 with
     # AutoNormal's), so only its own single-process run is the reference.
     single = train(tmp_path, f"{guide}-w1", "--epochs", "150", "--guide", guide, devices=1)
-    result = train(tmp_path, guide, "--epochs", "150", "--guide", guide)
+    # The posterior 40 spots a batch: a messenger guide gives each batch its
+    # spots, joined along the plate.
+    result = train(tmp_path, guide, "--epochs", "150", "--guide", guide, "--export-batch", "40")
     assert result["held"] == [150, 151]
     assert np.corrcoef(result["abundance"].ravel(), single["abundance"].ravel())[0, 1] > 0.8
 
@@ -139,9 +141,13 @@ def test_each_worker_reads_only_its_spots_and_trains_as_from_memory(
         assert reads["setup"]["streamed"] == SPOTS
         assert reads["setup"]["rows"] == 100 and reads["setup"]["span"] == [0, 100]
         # Training and the owned posterior: this worker's spots only.
-        assert reads["train"]["span"] == reads["export"]["span"] == list(block), reads
-        # The posterior's batches: at most the 40 spots asked for, each spot once.
-        assert reads["export"]["rows"] == size and reads["export"]["largest"] == 40, reads
+        assert reads["train"]["span"] == list(block), reads
+        # The posterior's quantiles: AutoNormal's are its parameters', every
+        # spot's from any batch, so one batch of the 40 spots asked for is
+        # read, and 16 spots that find the plate's sites (cell2location's own
+        # method reads the whole block at once).
+        assert reads["export"]["span"] == [block[0], block[0] + 40], reads
+        assert reads["export"]["largest"] == 40 and reads["export"]["rows"] == 40 + 16, reads
         if batches == "full batch":  # copied to the device once
             assert reads["train"]["rows"] == size
         else:  # every spot once an epoch, and the guide's warm-up batch

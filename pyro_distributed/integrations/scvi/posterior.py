@@ -110,27 +110,33 @@ def owned_posterior(model: Any, *, to: SummariesTo = "all") -> Iterator[Any]:
 def _quantiles(
     model: Any, block: np.ndarray, engine: Any, to: SummariesTo
 ) -> Callable[..., Summaries | None]:
-    """cell2location's ``posterior_quantile`` over this worker's block, in
-    batches of ``batch_size`` spots (:data:`QUANTILE_ROWS` by default),
-    joined along the plate: a spot's quantiles are its own parameters' and
-    equal the one-batch ones bitwise. cell2location's own method ignores
-    ``batch_size`` for an ``AutoNormal`` guide and loads every spot's counts
-    in one dense batch, which at Visium HD sizes does not fit."""
+    """cell2location's ``posterior_quantile`` over this worker's block, its
+    counts loaded ``batch_size`` spots at a time (:data:`QUANTILE_ROWS` by
+    default). cell2location's own method loads every spot's counts in one
+    dense batch, which at Visium HD sizes does not fit.
+
+    Guides differ in what one batch gives: an ``AutoNormal``'s quantiles
+    are its parameters', every spot of the block whatever the batch (the
+    counts are loaded only because the method asks for a batch), so the
+    first batch gives them all; a messenger guide's are the batch's spots,
+    so the batches' are joined along the plate. Either way a spot's
+    quantiles are computed from its own parameters alone and equal the
+    one-batch ones bitwise."""
 
     def posterior_quantile(**kwargs: Any) -> Summaries | None:
         rows = kwargs.pop("batch_size", None)
         check_int("batch_size", rows, minimum=1, optional=True)
         rows = rows or QUANTILE_ROWS
         exclude = kwargs.pop("exclude_vars", None) or []
-        starts = range(0, len(block), rows) if len(block) else range(1)
-        with shard_subsamples(own_local_params=True):
-            pieces = [
-                internals.posterior_quantile(
-                    model, block[start : start + rows], exclude_vars=exclude, **kwargs
-                )
-                for start in starts
-            ]
         sites = _plate_sites(model, block)
+        pieces: list[Summaries] = []
+        with shard_subsamples(own_local_params=True):
+            for start in range(0, max(len(block), 1), rows):
+                spots = block[start : start + rows]
+                piece = internals.posterior_quantile(model, spots, exclude_vars=exclude, **kwargs)
+                pieces.append(piece)
+                if len(spots) < len(block) and _whole_block(piece, sites, len(block)):
+                    break  # the guide gave every spot's from one batch
         values = {
             name: np.concatenate(
                 [np.asarray(piece[name]) for piece in pieces],
@@ -144,6 +150,14 @@ def _quantiles(
         return None if to == "main" and engine.rank != 0 else joined
 
     return posterior_quantile
+
+
+def _whole_block(piece: Summaries, sites: dict[str, int], spots: int) -> bool:
+    """Whether every plate site of ``piece`` has all ``spots`` of the block."""
+    plated = [name for name in piece if name in sites]
+    return bool(plated) and all(
+        np.shape(piece[name])[_axis(sites[name], np.ndim(piece[name]))] == spots for name in plated
+    )
 
 
 def _plate_sites(model: Any, block: np.ndarray) -> dict[str, int]:
