@@ -45,14 +45,55 @@ first timed step to after the last, ``curve_every``, ``curve_in_sync``
 counters of its network interfaces (``/proc/net/dev``, loopback aside:
 meaningful only where the workers have a host each, as in
 ``bench_policies.py``).
+
+``--first-step`` also times the first step, construction included
+(``bench_first_step.py``): once the workload is built, the workers meet at
+a barrier, and each times from there to the return of its first training
+step, which is the first of the ``--warmup`` steps (so it needs at least
+one). In SVI (``ours`` and every ``--optim`` that is not a torch module)
+the clock covers building the Pyro optimizer (``DistributedOptimizer``
+around ``pyro.optim.Adam``) and the ``SVI`` object, then the first
+``svi.step``: the first trace of guide and model (which creates the
+parameters in the param store), backward, and the optimizer's call, which
+for ``ours`` holds the library's first-step work (the plan, the agreement
+across workers on which parameters the step takes, the broadcast of worker
+0's values of the new ones, the buckets) before the gradient all-reduce
+and Adam's step. For ``ddp`` (and the other module
+configurations) it covers building the ELBO module, its first loss
+evaluation (which :func:`module_training` makes before DDP is built, to
+create lazy parameters; it is also the first trace of guide and model),
+``torch.optim.Adam``, the ``DistributedDataParallel`` constructor (which
+broadcasts worker 0's parameters and buckets the gradients) with any comm
+hook, then the first step (zero_grad, forward, backward with its
+all-reduce, Adam's step). Both include building torch's Adam (SVI builds
+one per parameter inside its first step), whose first construction in a
+process imports ``torch._dynamo``. The line then also holds
+``first_step_s``, the largest such time over the workers;
+``first_step_wrapper_s``, the largest time from just before the optimizer
+is built (``DistributedOptimizer``; ``torch.optim.Adam`` and the
+``DistributedDataParallel`` constructor) to the end of the first step,
+which for ``ddp`` leaves out the first loss evaluation (equal to
+``first_step_s`` in SVI, whose first trace is inside its first step); and
+``first_step_phases``, the largest time of each phase over the workers
+(``first_call``, module configurations only; ``construct``; ``step``).
+``--profile-first-step PATH`` implies ``--first-step`` and runs worker 0's
+measured span under ``cProfile``, writing the functions that took the most
+cumulative time (and those of ``pyro_distributed`` apart) to ``PATH``;
+the profiler slows worker 0, so that run's ``first_step_s`` (flagged by
+``first_step_profiled``) is not comparable with unprofiled ones. Time a
+worker spends waiting for the others inside a collective counts as time in
+that collective.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import hashlib
+import io
 import json
+import pstats
 import re
 import sys
 import time
@@ -110,6 +151,17 @@ VAE_BATCH = 256
 
 # --heldout: particles of the held-out ELBO, drawn from one seed for every configuration.
 HELDOUT_PARTICLES = 8
+
+# --profile-first-step: functions listed per table of the profile, and the
+# functions whose callees it lists: the SVI step, its loss and gradients (the
+# traces of guide and model, backward), our optimizer's call and its reducer.
+PROFILE_LINES = 25
+PROFILE_PARTS = (
+    r"pyro[/\\]infer[/\\]svi\.py:\d+\(step\)",
+    r"trace_elbo\.py:\d+\(loss_and_grads\)",
+    r"pyro_distributed[/\\]optim[/\\]distributed\.py:\d+\(__call__\)",
+    r"pyro_distributed[/\\]optim[/\\]reducer\.py:\d+\(reduce\)",
+)
 
 OPTIMS = (
     "plain",
@@ -499,8 +551,19 @@ def broadcast_store_from_worker_0(workload: Workload) -> None:
     )
 
 
-def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -> Training:
-    """SVI with the optimizer that ``optim_name`` names."""
+def svi_training(
+    workload: Workload,
+    optim_name: str,
+    options: dict[str, Any],
+    first_step: FirstStep | None = None,
+) -> Training:
+    """SVI with the optimizer that ``optim_name`` names.
+
+    ``first_step``, if given, starts here: its ``construct`` phase is the
+    optimizer and the ``SVI`` object, and its ``step`` the first ``svi.step``.
+    """
+    if first_step is not None:
+        first_step.start()
     if optim_name == "pyro-horovod" and pyro_distributed.world_size() > 1:
         broadcast_store_from_worker_0(workload)
     hook_options = {"rank": options.pop("rank", 4), "start": options.pop("start", 10)}
@@ -510,6 +573,8 @@ def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -
         options = {**options, "start": hook_options["start"]}
     optim = make_optimizer(optim_name, options)
     svi = SVI(workload.model, workload.guide, optim, Trace_ELBO())
+    if first_step is not None:
+        first_step.mark("construct")
 
     def step() -> float:
         # Our configurations shard the local workloads' subsamples across
@@ -539,7 +604,12 @@ def svi_training(workload: Workload, optim_name: str, options: dict[str, Any]) -
     )
 
 
-def module_training(workload: Workload, optim_name: str, options: dict[str, Any]) -> Training:
+def module_training(
+    workload: Workload,
+    optim_name: str,
+    options: dict[str, Any],
+    first_step: FirstStep | None = None,
+) -> Training:
     """The same model and guide as a torch module, trained with a torch Adam:
     under DDP at W>1 (``ddp``; ``ddp-fp16`` with its fp16 compression hook),
     plain (``torch``), or through our DistributedOptimizer (``torch-ours``,
@@ -553,7 +623,14 @@ def module_training(workload: Workload, optim_name: str, options: dict[str, Any]
     of them, and DDP's averaging that starts during ``backward()``. The first
     loss evaluation is untimed; it creates AutoNormal's lazy parameters,
     which DDP must see when it is built. DDP copies worker 0's values then.
+
+    ``first_step``, if given, starts here: its ``first_call`` phase is the
+    ELBO module and that first loss evaluation; ``construct`` torch's Adam
+    and the wrapper (``DistributedDataParallel`` and its hook, or ours); and
+    ``step`` the first step.
     """
+    if first_step is not None:
+        first_step.start()
     ours = optim_name.startswith("torch-ours")
     # As for SVI: ours shards the local workloads' subsamples; "owned" keeps
     # each worker's block of local rows only (cut by the first call).
@@ -571,6 +648,8 @@ def module_training(workload: Workload, optim_name: str, options: dict[str, Any]
     elbo = Trace_ELBO()(workload.model, workload.guide)
     with plates():
         elbo(*workload.args)
+    if first_step is not None:
+        first_step.mark("first_call")
     module: nn.Module = elbo
     optimizer: torch.optim.Optimizer = torch.optim.Adam(elbo.parameters(), lr=LEARNING_RATE)
     at_sync: Callable[[], bool] = always_in_sync
@@ -596,6 +675,8 @@ def module_training(workload: Workload, optim_name: str, options: dict[str, Any]
             rank, start = options.get("rank", 4), options.get("start", 10)
             hook["comm_hook"] = pyro_distributed.LowRankHook(rank, warmup_steps=start)
         optimizer = pyro_distributed.DistributedTorchOptimizer(optimizer, **hook)
+    if first_step is not None:
+        first_step.mark("construct")
 
     def step() -> float:
         optimizer.zero_grad()
@@ -658,6 +739,70 @@ def post_local_sgd(
         return taken < warmup or (taken - warmup) % period == 0
 
     return optimizer, at_sync
+
+
+class FirstStep:
+    """The clock of ``--first-step``: from before the training step is built to
+    the return of its first step, in phases (see the module's docstring).
+
+    :meth:`start` waits for every worker, then starts the clock (and, on
+    worker 0 given ``profile``, a ``cProfile`` profiler); each :meth:`mark`
+    ends a phase; :meth:`stop`, after the first step, ends the last one.
+    """
+
+    def __init__(self, profile: Path | None = None) -> None:
+        self.profile = profile
+        self.profiler: cProfile.Profile | None = None
+        self.times: list[tuple[str, float]] = []
+
+    def start(self) -> None:
+        if pyro_distributed.world_size() > 1:
+            pyro_distributed.barrier()
+        synchronize()
+        if self.profile is not None and pyro_distributed.is_main():
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+        self.times = [("start", time.perf_counter())]
+
+    def mark(self, phase: str) -> None:
+        """End the phase called ``phase`` now."""
+        synchronize()
+        self.times.append((phase, time.perf_counter()))
+
+    def stop(self) -> None:
+        """End the first step (the last phase) and the profile."""
+        self.mark("step")
+        if self.profiler is not None:
+            self.profiler.disable()
+
+    def phases(self) -> dict[str, float]:
+        """Seconds of each phase, in order."""
+        return {
+            phase: end - begin
+            for (_, begin), (phase, end) in zip(self.times, self.times[1:], strict=False)
+        }
+
+    def write_profile(self, title: str) -> None:
+        """Write worker 0's profile to ``profile``: the top functions by
+        cumulative time, then those of ``pyro_distributed`` (worker 0 only)."""
+        if self.profiler is None or self.profile is None:
+            return
+        phases = ", ".join(f"{phase} {seconds:.4f} s" for phase, seconds in self.phases().items())
+        out = io.StringIO()
+        out.write(f"{title}\nphases on worker 0 (profiled, so slower): {phases}\n\n")
+        out.write(f"== top {PROFILE_LINES} functions by cumulative time ==\n")
+        stats = pstats.Stats(self.profiler, stream=out).sort_stats("cumulative")
+        stats.print_stats(PROFILE_LINES)
+        out.write(f"== pyro_distributed's top {PROFILE_LINES} by cumulative time ==\n")
+        stats.print_stats(r"pyro_distributed[/\\]", PROFILE_LINES)
+        out.write("== where the parts of an SVI step spent it (callees) ==\n")
+        for part in PROFILE_PARTS:
+            stats.print_callees(part)
+        text = out.getvalue()
+        # Paths relative to the repository and to site-packages, for width.
+        for prefix in (Path(torch.__file__).parent.parent, Path(__file__).resolve().parent.parent):
+            text = text.replace(f"{prefix}/", "")
+        self.profile.write_text(text)
 
 
 def time_steps(training: Training, steps: int, warmup: int) -> float:
@@ -791,6 +936,23 @@ def in_sync(parameters: Sequence[tuple[str, Tensor]]) -> bool:
     return len(set(digests)) == 1
 
 
+def first_step_record(first_step: FirstStep) -> dict[str, Any]:
+    """The fields ``--first-step`` adds to the line: the largest times over
+    the workers (a collective)."""
+    every: list[dict[str, float]] = pyro_distributed.current_engine().allgather_object(
+        first_step.phases()
+    )
+    return {
+        "first_step_s": max(sum(phases.values()) for phases in every),
+        "first_step_wrapper_s": max(
+            sum(seconds for phase, seconds in phases.items() if phase != "first_call")
+            for phases in every
+        ),
+        "first_step_phases": {phase: max(phases[phase] for phases in every) for phase in every[0]},
+        "first_step_profiled": first_step.profile is not None,
+    }
+
+
 def fitted_cost(parameters: Sequence[tuple[str, Tensor]]) -> dict[str, float]:
     """The all-reduce cost fitted at this W, and the bytes a step averages."""
     gradient_bytes = sum(p.numel() * p.element_size() for _, p in parameters)
@@ -848,6 +1010,18 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="after timing, fit the all-reduce cost here (validate_cost_model.py)",
     )
+    parser.add_argument(
+        "--first-step",
+        action="store_true",
+        help="also time the first step, from before the optimizer or DDP is built "
+        "(the first of the --warmup steps)",
+    )
+    parser.add_argument(
+        "--profile-first-step",
+        type=Path,
+        metavar="PATH",
+        help="profile worker 0's first step with cProfile into PATH (implies --first-step)",
+    )
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
@@ -858,13 +1032,24 @@ def parse_args() -> argparse.Namespace:
         parser.error("--period and --warmup must be at least 1 with a step policy")
     if args.curve is not None and (args.curve < 1 or args.curve % (args.period or 1)):
         parser.error("--curve must be a positive multiple of --period: a sync point")
+    if args.profile_first_step is not None:
+        args.first_step = True
+    if args.first_step and args.warmup < 1:
+        parser.error("--first-step times the first warm-up step: --warmup must be at least 1")
     return args
 
 
 def prepare(
-    workload_name: str, optim: str, options: dict[str, Any], device: str = "cpu"
+    workload_name: str,
+    optim: str,
+    options: dict[str, Any],
+    device: str = "cpu",
+    first_step: FirstStep | None = None,
 ) -> Training:
     """Join the workers and build this worker's workload and training step, seeded by rank.
+
+    ``first_step``, if given, starts once the workload is built (a barrier),
+    just before the training step is.
 
     The workload is drawn on the CPU (the same numbers on every device), then
     moved to ``device``; on a GPU, ``torch.set_default_device`` puts there the
@@ -890,8 +1075,8 @@ def prepare(
         workload = on_device(workload, device)
         torch.set_default_device(device)
     if ddp:
-        return module_training(workload, optim, options)
-    return svi_training(workload, optim, options)
+        return module_training(workload, optim, options, first_step)
+    return svi_training(workload, optim, options, first_step)
 
 
 def heldout_args(workload_name: str, device: str) -> tuple[Any, ...]:
@@ -923,10 +1108,17 @@ def main() -> None:
     if args.optim in PERIOD_OPTIMS:
         # The untimed steps average gradients; the workers step alone after them.
         options.update(period=args.period, start=args.warmup)
-    training = prepare(args.workload, args.optim, options, args.device)
+    first_step = FirstStep(args.profile_first_step) if args.first_step else None
+    training = prepare(args.workload, args.optim, options, args.device, first_step)
+    warmup = args.warmup
+    if first_step is not None:
+        # The first warm-up step, timed with the construction before it.
+        training.step()
+        first_step.stop()
+        warmup -= 1
     curve: dict[str, Any] = {}
     if args.curve is None:
-        seconds = time_steps(training, args.steps, args.warmup)
+        seconds = time_steps(training, args.steps, warmup)
         heldout = (
             {"heldout_loss": training.heldout(heldout_args(args.workload, args.device))}
             if args.heldout
@@ -934,7 +1126,7 @@ def main() -> None:
         )
     else:
         data = heldout_args(args.workload, args.device)
-        measured = time_curve(training, args.steps, args.warmup, args.curve, data)
+        measured = time_curve(training, args.steps, warmup, args.curve, data)
         seconds = measured.seconds
         heldout = {"heldout_loss": measured.points[-1][1]}
         sent = measured.sent_bytes
@@ -949,6 +1141,7 @@ def main() -> None:
     shared = shared_parameters(training)
     synced = in_sync(shared)
     cost = fitted_cost(shared) if args.fit_cost else {}
+    first = {} if first_step is None else first_step_record(first_step)
     if pyro_distributed.is_main():
         line = json.dumps(
             {
@@ -968,11 +1161,15 @@ def main() -> None:
                 "cuda_peak_bytes": (
                     torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0
                 ),
+                **first,
             }
         )
         print(line, flush=True)
         if args.json_out is not None:
             args.json_out.write_text(line + "\n")
+        if first_step is not None:
+            world = pyro_distributed.world_size()
+            first_step.write_profile(f"first step of {args.optim} on {args.workload}, W={world}")
     # DDP's reducer holds the process group, and drops it without letting go
     # of the GIL: dropped after the group is destroyed, it joins gloo's
     # threads while one of them waits for the GIL to free a finished
