@@ -42,7 +42,8 @@ BENCHMARK_PAGES = {
     "LINK_RESULTS.md": "Two hosts on a rate-limited link",
     "link_low_rank/LINK_RESULTS.md": "The low-rank hook on a 1 Gbit/s link",
     "POLICY_RESULTS.md": "Step policies on a 1 Gbit/s link: time to a held-out loss",
-    "CELL2LOCATION.md": "cell2location: owned spots, counts read by rows, a memory cap",
+    "CELL2LOCATION.md": "cell2location: 678,771 bins, owned spots, counts read by rows",
+    "first_step/FIRST_STEP_RESULTS.md": "Many workers' first step against DDP",
     "per_step_idle/gloo/RESULTS.md": "Per-step cost against DDP, idle re-run",
     "per_step_idle/mpi/RESULTS.md": "The MPI engine against two processes, idle re-run",
 }
