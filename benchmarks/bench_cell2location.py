@@ -30,7 +30,19 @@ Run::
     python benchmarks/bench_cell2location.py --spots 300000 --genes 2000 --batch-size 10000
 
 and it prints the table and writes ``benchmarks/cell2location.json``
-(``--results`` elsewhere; ``--merge A.json B.json`` joins several runs).
+(``--results`` elsewhere; ``--merge A.json B.json`` joins several runs, into
+``--results`` if given).
+``--steps N`` stops each run after N steps and reports the median step after
+the first two (the slowest worker's) and the epoch that makes, the step
+times the steps an epoch; ``--local-updates sparse`` steps only a batch's
+rows of the owned spots' parameters; ``W=4 owned, by rows, global batch``
+runs four workers. ``--types`` and ``--umis-per-bin`` shape the data (the
+large runs: 50 types and 523 counts a bin, the mean of a Visium HD 8 um
+bin); the generator streams it to the file, and says what it took.
+``--address-space-mb MB`` caps each worker's address space, so that an
+allocation larger than the machine raises an error that names its size
+and where it was made (the report keeps both) instead of the kernel's OOM
+killer ending the process.
 ``--memory-cap MB`` runs every worker under a memory cgroup of that size
 (``benchmarks/memory_cap.py``, root only): a worker that outgrows it is
 killed, and the table says so.
@@ -285,12 +297,15 @@ def drive(args: argparse.Namespace) -> None:
     print(table(results))
 
 
-def merge(paths: list[str]) -> None:
-    """Join the results of several runs (``--results``) into one table."""
+def merge(paths: list[str], target: str | None) -> None:
+    """Join the results of several runs (``--results``) into one table, written
+    to ``target`` (``benchmarks/cell2location.json`` by default)."""
     results: dict[str, Any] = {}
     for path in paths:
         results.update(json.loads(Path(path).read_text()))
-    (HERE / "cell2location.json").write_text(json.dumps(results, indent=1))
+    (Path(target) if target else HERE / "cell2location.json").write_text(
+        json.dumps(results, indent=1)
+    )
     print(table(results))
 
 
@@ -431,7 +446,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.merge:
-        merge(args.merge)
+        merge(args.merge, args.results)
     elif args.worker:
         worker(args)
     else:

@@ -62,6 +62,11 @@ def owned_posterior(model: Any, *, to: SummariesTo = "all") -> Iterator[Any]:
     """Make ``model.sample_posterior`` and (where the model has it)
     ``model.posterior_quantile`` summarise each worker's block where it lives.
 
+    ``sample_posterior`` takes the block in one batch unless given
+    ``batch_size``; ``posterior_quantile`` loads ``batch_size`` spots of
+    counts at a time (:data:`QUANTILE_ROWS` by default), once for an
+    ``AutoNormal`` guide, whose quantiles are its parameters'.
+
     :param model: a trained scvi-tools model with a Pyro module
         (``PyroSampleMixin``), such as cell2location's ``Cell2location``.
     :param to: ``"all"`` (default): every worker gets every observation's
