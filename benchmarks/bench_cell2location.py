@@ -224,13 +224,15 @@ def write_data(path: Path, args: argparse.Namespace, spots: int) -> dict[str, fl
     What it took (seconds, bytes, stored counts, peak RSS) goes beside it
     in ``PATH.json``."""
     partial = path.with_suffix(".part")
+    # Blocks interleave the draws, so the block size is part of the data:
+    # 20,000 bins made the default data sets, 10,000 those of a given density.
     made = load_example().write_visium_hd(
         partial,
         spots,
         args.genes,
         args.types,
         seed=0,
-        block=10_000,
+        block=10_000 if args.umis_per_bin else 20_000,
         umis_per_bin=args.umis_per_bin,
     )
     partial.replace(path)
@@ -328,7 +330,8 @@ def _summary(
         return summary
     if args.steps:
         workers = CONFIGS[config][0]
-        batch = args.batch_size // workers if config in GLOBAL_BATCH else args.batch_size
+        batch = args.batch_size or 0
+        batch = batch // workers if config in GLOBAL_BATCH else batch
         batch = batch or math.ceil(spots / workers)  # full batch: one step an epoch
         per_step = [
             max(r["steps_s"][s] for r in reports) for s in range(len(reports[0]["steps_s"]))
@@ -346,8 +349,7 @@ def _summary(
 
 def table(results: dict[str, Any]) -> str:
     """The Markdown table of ``results``, each row against W=1 at the same
-    size, batch and local updates (W=1 in mini-batches where W=1 in full
-    batch failed)."""
+    size and batch (none where that W=1 failed or was killed)."""
     lines = [
         "| spots x genes | batch | local updates | configuration | peak RSS per worker (MB) "
         "| x W=1 | RSS before train (MB) | training's own (MB) | x W=1 | time per step (s) "
@@ -402,7 +404,8 @@ def _key_parts(key: str) -> tuple[str, str, str, str]:
 def _reference(results: dict[str, Any], size: str, batch: str) -> dict[str, Any] | None:
     for key, row in results.items():
         k_size, k_batch, _, name = _key_parts(key)
-        if (k_size, k_batch, name) == (size, batch, "W=1") and not row.get("failed"):
+        usable = not (row.get("failed") or row.get("killed"))
+        if (k_size, k_batch, name) == (size, batch, "W=1") and usable:
             return row
     return None
 

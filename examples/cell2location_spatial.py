@@ -150,11 +150,15 @@ def visium_hd_blocks(
             density = np.exp(-((distance / 0.15) ** 2)) * scale
             abundance = density * (rng.uniform(size=density.shape) < 0.8)
             detection = rng.gamma(20.0, 0.1 / 20.0, size=(len(spots), 1))
-            expression = gene_scale * (abundance @ signatures.T)
-            if umis_per_bin is not None:  # the same noise, around the expected total asked for
+            # Each branch multiplies in the order that made the data sets of
+            # benchmarks/CELL2LOCATION.md, so that they come out bitwise again.
+            if umis_per_bin is None:
+                mean = (detection * gene_scale * (abundance @ signatures.T)).astype(np.float32)
+            else:  # the same noise, around the expected total asked for
+                expression = gene_scale * (abundance @ signatures.T)
                 total = expression.sum(axis=1, keepdims=True)
                 detection *= umis_per_bin / 0.1 / np.maximum(total, 1e-12)
-            mean = (detection * expression).astype(np.float32)
+                mean = (detection * expression).astype(np.float32)
             counts = rng.poisson(rng.gamma(20.0, mean / 20.0 + 1e-12)).astype(np.float32)
             yield scipy.sparse.csr_matrix(counts)
 

@@ -123,10 +123,10 @@ def _quantiles(
     Guides differ in what one batch gives: an ``AutoNormal``'s quantiles
     are its parameters', every spot of the block whatever the batch (the
     counts are loaded only because the method asks for a batch), so the
-    first batch gives them all; a messenger guide's are the batch's spots,
-    so the batches' are joined along the plate. Either way a spot's
-    quantiles are computed from its own parameters alone and equal the
-    one-batch ones bitwise."""
+    first batch gives them all, bitwise the one-batch values; a messenger
+    guide's are the batch's spots, so the batches' are joined along the
+    plate. Each plate site is taken one way or the other by its size in
+    the first batch."""
 
     def posterior_quantile(**kwargs: Any) -> Summaries | None:
         rows = kwargs.pop("batch_size", None)
@@ -147,7 +147,7 @@ def _quantiles(
                 [np.asarray(piece[name]) for piece in pieces],
                 axis=_axis(sites[name], np.ndim(value)),
             )
-            if name in sites and len(pieces) > 1
+            if name in sites and len(pieces) > 1 and _plate_size(value, sites[name]) != len(block)
             else value
             for name, value in pieces[0].items()
         }
@@ -158,11 +158,13 @@ def _quantiles(
 
 
 def _whole_block(piece: Summaries, sites: dict[str, int], spots: int) -> bool:
-    """Whether every plate site of ``piece`` has all ``spots`` of the block."""
-    plated = [name for name in piece if name in sites]
-    return bool(plated) and all(
-        np.shape(piece[name])[_axis(sites[name], np.ndim(piece[name]))] == spots for name in plated
-    )
+    """Whether every plate site of ``piece`` (if any) has all ``spots`` of the block."""
+    return all(_plate_size(piece[name], sites[name]) == spots for name in piece if name in sites)
+
+
+def _plate_size(value: Any, dim: int) -> int:
+    """The length of ``value`` along the plate's axis ``dim``."""
+    return int(np.shape(value)[_axis(dim, np.ndim(value))])
 
 
 def _plate_sites(model: Any, block: np.ndarray) -> dict[str, int]:
