@@ -50,7 +50,7 @@ Summaries = dict[str, Any]
 #: Spots of a worker's block whose quantiles one batch computes, where the
 #: caller gives no ``batch_size``: scvi-tools' loader hands the guide each
 #: batch's counts as one dense tensor, about 280 MB at 8,588 genes, where
-#: the whole block would be 11.7 GB a worker at 678,771 spots and W=2.
+#: the whole block would be 10.9 GiB a worker at 678,771 spots and W=2.
 QUANTILE_ROWS = 8192
 #: Where the plate's summaries go: joined on every worker, joined on worker 0,
 #: or left with their owners (each worker its block's, in the AnnData's order).
