@@ -7,11 +7,16 @@ the real torchrun, bitwise.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import re
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -118,16 +123,35 @@ def test_a_workers_exception_and_an_interrupt_stop_every_worker(tmp_path: Path) 
     )
     client = NotebookClient(
         notebook,
-        # The launch that runs forever is interrupted by nbclient after 60 s (the
-        # notebook's stop button), once both workers have started even on a
-        # machine whose every core is busy; the other cells may take their time.
-        timeout_func=lambda cell: 60 if "forever" in cell.source else 300,
+        timeout=300,  # the cells may take their time on a machine whose every core is busy
         kernel_name="python3",
         allow_errors=True,
         interrupt_on_timeout=True,
         resources={"metadata": {"path": str(ROOT)}},
     )
-    client.execute()
+    errors: list[BaseException] = []
+
+    def execute() -> None:
+        try:  # an event loop of this thread's own, closed at the end
+            asyncio.run(client.async_execute())
+        except BaseException as error:  # raised below, in the test's own thread
+            errors.append(error)
+
+    running = threading.Thread(target=execute)
+    running.start()
+    # The notebook's stop button, pressed once both workers of the launch that
+    # runs forever have started: what Jupyter's interrupt sends the kernel.
+    deadline = time.monotonic() + 240
+    while len(list(pids.iterdir())) < 2 and running.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(list(pids.iterdir())) == 2 and running.is_alive(), errors
+    provisioner: Any = client.km.provisioner  # jupyter_client's LocalProvisioner
+    if provisioner.pgid:
+        os.killpg(provisioner.pgid, signal.SIGINT)
+    else:
+        provisioner.process.send_signal(signal.SIGINT)
+    running.join(timeout=600)
+    assert not running.is_alive() and not errors, errors
     failed, interrupted, after = (output_of(cell) for cell in notebook.cells)
     assert "PyroDistributedError" in failed and "worker 1 of 2 raised" in failed, failed
     assert "ValueError: bad data on worker 1" in failed, failed
