@@ -11,13 +11,13 @@ no thread of theirs can run.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
 import torch
 
 import pyro_distributed as pd
-from pyro_distributed.spawn.processes import free_port
 from tests.spawn.scripts.accidents import holds_the_gil, record, returns_rank_and_threads
 
 
@@ -29,12 +29,16 @@ def sleep_forever(where: str) -> None:
 
 if __name__ == "__main__":
     where, method = sys.argv[1], sys.argv[2]
+    # A hang-up ends this process, as it ends one started from a terminal; a
+    # test run started under nohup would otherwise hand it SIGHUP ignored.
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     torch.ones(2**22).mul_(2)  # a parallel op, as a kernel has run
     if sys.argv[3:] == ["dist"]:
         import torch.distributed as dist
 
-        port = free_port()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        # A file store: no port that another test's process could take first.
+        store = f"file://{where}/process-group-store"
+        dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
         dist.barrier()
         try:
             launched = pd.launch(returns_rank_and_threads, where, workers=2, start_method=method)
