@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_cell2location import data_path, run, write_data
+from bench_cell2location import data_path, relative, run, write_data
 
 HERE = Path(__file__).resolve().parent
 RUNS = {  # name: (configuration, seed)
@@ -30,11 +30,6 @@ RUNS = {  # name: (configuration, seed)
     "W=1 seed 1": ("W=1", 1),
     "W=2 owned, by rows, global batch": ("W=2 owned, by rows, global batch", 0),
 }
-
-
-def relative(a: np.ndarray, b: np.ndarray) -> float:
-    """Root-mean-square difference, relative to the reference's root mean square."""
-    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2)))
 
 
 def drive(args: argparse.Namespace) -> dict[str, Any]:

@@ -95,6 +95,11 @@ def load_example() -> Any:
     return module
 
 
+def relative(a: np.ndarray, b: np.ndarray) -> float:
+    """Root-mean-square difference, relative to the reference ``b``'s root mean square."""
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2)))
+
+
 def rss_mb() -> float:
     with open("/proc/self/status") as status:
         for line in status:

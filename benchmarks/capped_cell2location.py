@@ -30,14 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_cell2location import load_example, run, write_data
+from bench_cell2location import load_example, relative, run, write_data
 
 HERE = Path(__file__).resolve().parent
-
-
-def _relative(a: np.ndarray, b: np.ndarray) -> float:
-    """Root-mean-square difference, relative to the reference's root mean square."""
-    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2)))
 
 
 def story(args: argparse.Namespace) -> dict[str, Any]:
@@ -85,8 +80,8 @@ def story(args: argparse.Namespace) -> dict[str, Any]:
         "w2_under_the_cap": _outcome(w2_capped_peak),
     }
     if w2 is not None:
-        result["w2_vs_w1"] = _relative(w2, w1)
-        result["seed_noise_w1"] = _relative(w1_other, w1)
+        result["w2_vs_w1"] = relative(w2, w1)
+        result["seed_noise_w1"] = relative(w1_other, w1)
         result["correlation_w2_w1"] = float(np.corrcoef(w2.ravel(), w1.ravel())[0, 1])
         _figure(w1, w1_other, w2, result)
     print(json.dumps(result, indent=1))
